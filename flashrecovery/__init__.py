@@ -1,0 +1,1 @@
+"""flashrecovery: keep PyTorch training jobs running through rank failures."""

@@ -1,0 +1,66 @@
+"""`flashrecovery` command line: each subcommand lives in the module that owns its concept.
+
+A module listed in COMMANDS provides ``add_arguments(parser)`` and ``run(args) -> int``; the
+first line of its docstring is the command's help.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from types import ModuleType
+
+COMMANDS: dict[str, str] = {
+    "run": "flashrecovery.agent.launcher",
+    "engine": "flashrecovery.engine.service",
+    "demo": "flashrecovery.demo",
+    "events": "flashrecovery.inspect",
+    "replay": "flashrecovery.engine.replay",
+    "diagram": "flashrecovery.statemachines.diagram",
+    "broker": "flashrecovery.connectors.kafka_broker",
+    "topics": "flashrecovery.connectors.kafka_topics",
+}
+
+
+def _load(name: str) -> ModuleType:
+    return importlib.import_module(COMMANDS[name])
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flashrecovery",
+        description="Keep PyTorch training running through rank failures.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # Only the chosen command's module is imported (some import torch, which is slow).
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    for name, module_name in COMMANDS.items():
+        if chosen is not None and chosen != name:
+            sub.add_parser(name)
+            continue
+        try:
+            module = _load(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            continue  # not built yet
+        doc = (module.__doc__ or "").strip().splitlines()
+        p = sub.add_parser(name, help=doc[0] if doc else None, description=doc[0] if doc else None)
+        module.add_arguments(p)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    from flashrecovery.logs import configure_logging
+
+    configure_logging()
+    args = build_parser(argv).parse_args(argv)
+    code: int = args._module.run(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""Event-log backends behind one interface, chosen by URL.
+
+``memory://`` (tests), ``sqlite:///path/run.db`` (embedded, the default), ``kafka://host:port``.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+from flashrecovery.connectors.base import Entry, LogConnector, LogError
+
+__all__ = ["Entry", "LogConnector", "LogError", "open_log"]
+
+SCHEMES = ("memory", "sqlite", "kafka")
+
+
+def open_log(url: str) -> LogConnector:
+    """Open the log a URL names; an unknown or malformed URL is a LogError that says why."""
+    if not isinstance(url, str) or "://" not in url:
+        raise LogError(
+            f"log URL {url!r} is malformed: expected scheme://…, one of "
+            + ", ".join(f"{s}://" for s in SCHEMES)
+        )
+    scheme = urlsplit(url).scheme
+    if scheme == "memory":
+        from flashrecovery.connectors.memory import MemoryLog
+
+        return MemoryLog(url)
+    if scheme == "sqlite":
+        from flashrecovery.connectors.embedded import EmbeddedLog
+
+        return EmbeddedLog.from_url(url)
+    if scheme == "kafka":
+        from flashrecovery.connectors.kafka import KafkaLog
+
+        return KafkaLog.from_url(url)
+    raise LogError(
+        f"log URL {url!r} has unknown scheme {scheme!r}: use one of "
+        + ", ".join(f"{s}://" for s in SCHEMES)
+    )

@@ -1,0 +1,85 @@
+"""The one interface every event-log backend implements.
+
+A log holds two streams (events, decisions); each record belongs to one job. Positions are
+integers that grow strictly within a (stream, job); they need not be dense, and they are what a
+decision's ``caused_by`` and ``replay --until`` refer to.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from flashrecovery.records import Envelope, RecordError, Stream, parse_record
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One stored record at its position. ``record`` is None when the stored value is not a
+    valid record (written by some other tool); ``error`` then says why."""
+
+    position: int
+    raw: bytes
+    record: Envelope | None
+    error: str | None = None
+
+    @classmethod
+    def decode(cls, position: int, raw: bytes, stream: Stream) -> Entry:
+        try:
+            return cls(position, raw, parse_record(raw, stream))
+        except RecordError as exc:
+            return cls(position, raw, None, exc.reason)
+
+
+class LogError(RuntimeError):
+    """The log cannot be reached or used (a clear message for the user, never a traceback)."""
+
+
+class LogConnector(ABC):
+    """Append-only, per-job ordered log of records."""
+
+    url: str
+
+    @abstractmethod
+    def append(self, stream: Stream, record: Envelope) -> int:
+        """Store the record durably and return its position."""
+
+    @abstractmethod
+    def append_raw(self, stream: Stream, job_id: str, raw: bytes) -> int:
+        """Store bytes as they are (tests and foreign writers); readers flag them if invalid."""
+
+    @abstractmethod
+    def read(
+        self, stream: Stream, job_id: str, from_position: int = 0, limit: int | None = None
+    ) -> list[Entry]:
+        """Entries of the job at positions >= from_position, in order."""
+
+    @abstractmethod
+    def follow(
+        self, stream: Stream, job_id: str, from_position: int, timeout: float
+    ) -> list[Entry]:
+        """Like read, but block up to ``timeout`` seconds until at least one entry exists."""
+
+    @abstractmethod
+    def jobs(self) -> list[str]:
+        """Ids of the jobs that have at least one record, sorted."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections; the stored records stay."""
+
+    def tail(
+        self, stream: Stream, job_id: str, from_position: int, timeout: float
+    ) -> Iterator[Entry]:
+        """Yield entries as they arrive, forever; each wait is bounded by ``timeout``."""
+        position = from_position
+        while True:
+            for entry in self.follow(stream, job_id, position, timeout):
+                position = entry.position + 1
+                yield entry
+
+    def __enter__(self) -> LogConnector:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

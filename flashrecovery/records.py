@@ -1,0 +1,364 @@
+"""Every record that crosses the log: one pydantic model per type, one shared envelope.
+
+Two streams carry them (DESIGN §2): *events* (ranks, agents and detectors tell what happened)
+and *decisions* (the engine tells what to do). Values are plain JSON so that any Kafka tool can
+read them. A decision names the log position of the event that caused it (``caused_by``) and
+gets a deterministic id and timestamp from that event, so replaying the events reproduces every
+decision byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+SCHEMA_VERSION = 1
+
+JobId = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_.\-]+$")]
+RankId = Annotated[int, Field(ge=0)]
+Step = Annotated[int, Field(ge=-1)]  # -1: nothing committed yet
+
+
+class Stream(StrEnum):
+    """The two streams of a job's log."""
+
+    EVENTS = "events"
+    DECISIONS = "decisions"
+
+
+def new_record_id() -> str:
+    return uuid.uuid4().hex
+
+
+class Envelope(BaseModel):
+    """Fields every record carries."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    record_id: str = Field(default_factory=new_record_id, min_length=1)
+    job_id: JobId
+    generation: int = Field(ge=0)
+    source: str = Field(min_length=1)  # "rank:3", "spare:1", "agent", "detector", "engine"
+    ts: float = Field(default_factory=time.time, ge=0)  # unix seconds, stamped at the edge
+
+
+# ---------------------------------------------------------------- events
+
+
+class JobStarted(Envelope):
+    """The agent opened the job: the configuration the engine and detectors work with."""
+
+    type: Literal["job_started"] = "job_started"
+    world_size: int = Field(ge=1)
+    spares: int = Field(ge=0)
+    heartbeat_interval_s: float = Field(gt=0)
+    missed_heartbeats: int = Field(default=3, ge=1)  # heartbeat missed after N x interval
+    stall_factor: float = Field(default=10.0, gt=0)  # stall after max(k x median step, floor)
+    stall_floor_s: float = Field(default=5.0, gt=0)
+    shards: int = Field(default=1, ge=1)  # distinct model shards; ranks of one shard are replicas
+
+
+class RankJoined(Envelope):
+    """A rank built its generation-0 groups and is about to train."""
+
+    type: Literal["rank_joined"] = "rank_joined"
+    rank: RankId
+    pid: int = Field(ge=1)
+    host: str
+    shard: int = Field(default=0, ge=0)
+
+
+class SpareReady(Envelope):
+    """A hot spare has paid every first-time cost and waits for an assignment."""
+
+    type: Literal["spare_ready"] = "spare_ready"
+    spare_id: int = Field(ge=0)
+    pid: int = Field(ge=1)
+    host: str
+
+
+class Heartbeat(Envelope):
+    type: Literal["heartbeat"] = "heartbeat"
+    rank: RankId
+    step: Step
+    pid: int = Field(ge=1)
+    host: str
+
+
+class StepCompleted(Envelope):
+    """A step was committed by this rank (after the vote, after the optimizer step)."""
+
+    type: Literal["step_completed"] = "step_completed"
+    rank: RankId
+    step: int = Field(ge=0)
+    duration_s: float = Field(ge=0)
+    loss: float | None = None
+
+
+class RankExited(Envelope):
+    """The agent saw a child process end (reported the moment it happens)."""
+
+    type: Literal["rank_exited"] = "rank_exited"
+    rank: RankId | None = None  # None for a spare that was never assigned
+    spare_id: int | None = None
+    pid: int = Field(ge=1)
+    exit_code: int | None = None
+    signal: int | None = None
+
+
+class CollectiveError(Envelope):
+    """A collective failed inside a rank (a peer vanished, a timeout)."""
+
+    type: Literal["collective_error"] = "collective_error"
+    rank: RankId
+    step: Step
+    error: str
+
+
+class HeartbeatMissed(Envelope):
+    """A detector saw no heartbeat from a rank for N x interval; time enters the log here."""
+
+    type: Literal["heartbeat_missed"] = "heartbeat_missed"
+    rank: RankId
+    last_seen_ts: float
+    silent_s: float = Field(ge=0)
+
+
+class StallSuspected(Envelope):
+    """A detector saw a rank alive but not progressing while its peers wait."""
+
+    type: Literal["stall_suspected"] = "stall_suspected"
+    rank: RankId
+    last_step: Step
+    stalled_s: float = Field(ge=0)
+
+
+class HealthReport(Envelope):
+    type: Literal["health_report"] = "health_report"
+    rank: RankId
+    ok: bool
+    detail: str = ""
+
+
+class SpareActivated(Envelope):
+    """The agent handed a spare its rank id."""
+
+    type: Literal["spare_activated"] = "spare_activated"
+    spare_id: int = Field(ge=0)
+    rank: RankId
+    pid: int = Field(ge=1)
+
+
+class ReplacementSpawned(Envelope):
+    """The agent started a fresh process for a rank (no spare was left)."""
+
+    type: Literal["replacement_spawned"] = "replacement_spawned"
+    rank: RankId
+    pid: int = Field(ge=1)
+
+
+class RankRegrouped(Envelope):
+    """A member built the groups of a new generation; says which step it has committed."""
+
+    type: Literal["rank_regrouped"] = "rank_regrouped"
+    rank: RankId
+    committed_step: Step
+    shard: int = Field(default=0, ge=0)
+    pid: int = Field(ge=1)
+
+
+class StateTransferred(Envelope):
+    """A recipient received its state from a donor."""
+
+    type: Literal["state_transferred"] = "state_transferred"
+    rank: RankId
+    donor: RankId
+    bytes: int = Field(ge=0)
+    ms: float = Field(ge=0)
+
+
+class RankFinished(Envelope):
+    type: Literal["rank_finished"] = "rank_finished"
+    rank: RankId
+    step: Step
+
+
+class JobFinished(Envelope):
+    type: Literal["job_finished"] = "job_finished"
+    status: Literal["completed", "failed"]
+    exit_code: int = 0
+    detail: str = ""
+
+
+class EngineLease(Envelope):
+    """An engine claims (or renews) the right to decide for a job until ``expires_ts``."""
+
+    type: Literal["engine_lease"] = "engine_lease"
+    engine_id: str = Field(min_length=1)
+    expires_ts: float
+
+
+# ------------------------------------------------------------- decisions
+
+
+class Decision(Envelope):
+    """Common to decisions: the events-stream position that caused it and its incident."""
+
+    caused_by: int = Field(ge=0)
+    incident_id: str | None = None
+
+
+class IsolateRank(Decision):
+    """Fence the rank's generation and kill its process if it is still alive."""
+
+    type: Literal["isolate_rank"] = "isolate_rank"
+    rank: RankId
+    pid: int | None = None
+    reason: str
+    kill: bool = True
+
+
+class AssignSpare(Decision):
+    type: Literal["assign_spare"] = "assign_spare"
+    rank: RankId
+    spare_id: int = Field(ge=0)
+
+
+class SpawnReplacement(Decision):
+    type: Literal["spawn_replacement"] = "spawn_replacement"
+    rank: RankId
+
+
+class RegroupPlanned(Decision):
+    """Every member builds the groups of ``generation`` (the envelope's) with these ranks."""
+
+    type: Literal["regroup_planned"] = "regroup_planned"
+    members: list[RankId]
+    replaced: list[RankId]
+
+
+class ResumePlanned(Decision):
+    """Donors send state to recipients; everyone resumes after ``resume_step``."""
+
+    type: Literal["resume_planned"] = "resume_planned"
+    resume_step: Step
+    donors: dict[int, RankId]  # shard -> donor rank
+    recipients: list[RankId]
+
+
+class FallbackToCheckpoint(Decision):
+    """No healthy replica holds some shard: the job must reload its latest checkpoint."""
+
+    type: Literal["fallback_to_checkpoint"] = "fallback_to_checkpoint"
+    reason: str
+    shards: list[int]
+
+
+class IncidentClosed(Decision):
+    type: Literal["incident_closed"] = "incident_closed"
+    failed_rank: RankId
+    rto_s: float
+    rpo_steps: int
+    recomputed_steps: int
+    phases: dict[str, float]  # phase name -> seconds since the previous phase
+
+
+EventRecord = Annotated[
+    JobStarted
+    | RankJoined
+    | SpareReady
+    | Heartbeat
+    | StepCompleted
+    | RankExited
+    | CollectiveError
+    | HeartbeatMissed
+    | StallSuspected
+    | HealthReport
+    | SpareActivated
+    | ReplacementSpawned
+    | RankRegrouped
+    | StateTransferred
+    | RankFinished
+    | JobFinished
+    | EngineLease,
+    Field(discriminator="type"),
+]
+DecisionRecord = Annotated[
+    IsolateRank
+    | AssignSpare
+    | SpawnReplacement
+    | RegroupPlanned
+    | ResumePlanned
+    | FallbackToCheckpoint
+    | IncidentClosed,
+    Field(discriminator="type"),
+]
+Record = Annotated[EventRecord | DecisionRecord, Field(discriminator="type")]
+
+_EVENT = TypeAdapter[EventRecord](EventRecord)
+_DECISION = TypeAdapter[DecisionRecord](DecisionRecord)
+_ANY = TypeAdapter[Record](Record)
+
+
+def stream_of(record: Envelope) -> Stream:
+    return Stream.DECISIONS if isinstance(record, Decision) else Stream.EVENTS
+
+
+class RecordError(ValueError):
+    """A value that is not a valid record; ``reason`` names the field and what is wrong."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _explain(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        where = ".".join(str(p) for p in err["loc"]) or "<record>"
+        parts.append(f"{where}: {err['msg']}")
+    more = exc.error_count() - len(parts)
+    return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+
+
+def parse_record(data: bytes | str | dict[str, Any], stream: Stream | None = None) -> Envelope:
+    """Parse one record from JSON (or an already decoded dict); raise RecordError on bad input."""
+    if isinstance(data, bytes | str):
+        try:
+            data = json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise RecordError(f"<record>: not JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise RecordError(f"<record>: expected a JSON object, got {type(data).__name__}")
+    version = data.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise RecordError(
+            f"schema_version: unsupported value {version!r} (this build reads {SCHEMA_VERSION})"
+        )
+    adapter: TypeAdapter[Any] = {
+        None: _ANY,
+        Stream.EVENTS: _EVENT,
+        Stream.DECISIONS: _DECISION,
+    }[stream]
+    try:
+        record: Envelope = adapter.validate_python(data)
+    except ValidationError as exc:
+        raise RecordError(_explain(exc)) from None
+    return record
+
+
+def dump_record(record: Envelope) -> bytes:
+    """The record as compact JSON bytes (what every backend stores)."""
+    return record.model_dump_json().encode()
+
+
+def decision_id(job_id: str, caused_by: int, index: int) -> str:
+    """Deterministic id of the index-th decision caused by an event: replay and failover
+    recognise an already written decision by it."""
+    return f"{job_id}:{caused_by}:{index}"
