@@ -1,0 +1,283 @@
+"""Kafka as the event log: one topic per stream, records keyed by job id.
+
+A job's records share a partition (the key's murmur2 hash, as every Kafka client computes it),
+so the partition offset is the record's position and their order is the log's order. Values are
+the records' plain JSON bytes, readable by any Kafka tool.
+
+URL: ``kafka://host:port[,host:port…][?topic_prefix=…&partitions=…&replication_factor=…
+&timeout_s=…&<kafka-python setting>=…&producer.<setting>=…&consumer.<setting>=…]``; the same
+settings may come from ``FLASHRECOVERY_KAFKA_<NAME>`` (``__`` for the dot), the URL winning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.errors import KafkaError, TopicAlreadyExistsError
+from kafka.partitioner.default import murmur2
+
+from flashrecovery.connectors.base import Entry, LogConnector, LogError
+from flashrecovery.records import Envelope, Stream, dump_record
+
+ENV_PREFIX = "FLASHRECOVERY_KAFKA_"
+_NOT_CLIENT_ENV = {"CACHE"}  # FLASHRECOVERY_KAFKA_CACHE belongs to the broker runner
+_CLIENT_DEFAULTS: dict[str, Mapping[str, Any]] = {
+    "producer": KafkaProducer.DEFAULT_CONFIG,
+    "consumer": KafkaConsumer.DEFAULT_CONFIG,
+    "admin": KafkaAdminClient.DEFAULT_CONFIG,
+}
+_OWN = {"topic_prefix", "partitions", "replication_factor", "timeout_s"}
+_SECRET = re.compile(r"((?:password|token|secret)[^=&]*=)[^&]*", re.IGNORECASE)
+
+
+def redact(url: str) -> str:
+    """The URL with secret values hidden, for messages."""
+    return _SECRET.sub(r"\1***", url)
+
+
+def _coerce(name: str, value: str, default: Any) -> Any:
+    """A URL string as the type kafka-python expects for this setting; text stays untouched."""
+    try:
+        if isinstance(default, bool):
+            if value.lower() not in {"true", "false", "1", "0", "yes", "no"}:
+                raise ValueError(value)
+            return value.lower() in {"true", "1", "yes"}
+        if name == "acks" and value == "all":
+            return value
+        if isinstance(default, int | float):
+            number = float(value)
+            return int(number) if isinstance(default, int) and number.is_integer() else number
+    except ValueError:
+        raise LogError(
+            f"Kafka setting {name}={value!r} is not a {type(default).__name__}"
+        ) from None
+    if default is None or isinstance(default, str):
+        return value
+    raise LogError(f"Kafka setting {name} cannot be given as text (it takes a Python object)")
+
+
+@dataclass(frozen=True)
+class KafkaSettings:
+    """Everything a URL (and the environment) says, split per kafka-python client."""
+
+    bootstrap: str
+    topic_prefix: str = "flashrecovery."
+    partitions: int = 3
+    replication_factor: int = 1
+    timeout_s: float = 10.0
+    clients: dict[str, dict[str, Any]] = field(
+        default_factory=lambda: {name: {} for name in _CLIENT_DEFAULTS}
+    )
+
+    @classmethod
+    def parse(cls, url: str, environ: Mapping[str, str] | None = None) -> KafkaSettings:
+        parts = urlsplit(url)
+        if parts.scheme != "kafka" or not parts.netloc or parts.path not in ("", "/"):
+            raise LogError(
+                f"Kafka log URL {redact(url)!r} is malformed: expected kafka://host:port"
+            )
+        env = os.environ if environ is None else environ
+        options = {
+            key[len(ENV_PREFIX) :].lower().replace("__", "."): value
+            for key, value in env.items()
+            if key.startswith(ENV_PREFIX) and key[len(ENV_PREFIX) :] not in _NOT_CLIENT_ENV
+        }
+        options.update(parse_qsl(parts.query, keep_blank_values=True))
+        own: dict[str, Any] = {}
+        clients: dict[str, dict[str, Any]] = {name: {} for name in _CLIENT_DEFAULTS}
+        for key, value in options.items():
+            if key in _OWN:
+                own[key] = _coerce(key, value, cls.__dataclass_fields__[key].default)
+                continue
+            prefix, dot, name = key.partition(".")
+            targets = [prefix] if dot and prefix in _CLIENT_DEFAULTS else list(_CLIENT_DEFAULTS)
+            name = name if dot and prefix in _CLIENT_DEFAULTS else key
+            accepting = [c for c in targets if name in _CLIENT_DEFAULTS[c]]
+            if not accepting or name == "bootstrap_servers":
+                raise LogError(
+                    f"unknown Kafka setting {key!r} in {redact(url)!r}: use topic_prefix, "
+                    "partitions, replication_factor, timeout_s, a kafka-python setting "
+                    "(security_protocol, sasl_mechanism, ssl_cafile, …) or producer./consumer./"
+                    "admin. followed by one"
+                )
+            for client in accepting:
+                clients[client][name] = _coerce(name, value, _CLIENT_DEFAULTS[client][name])
+        return cls(bootstrap=parts.netloc, clients=clients, **own)
+
+    def config(self, client: str) -> dict[str, Any]:
+        """The kwargs for one kafka-python client: our defaults, then the user's settings."""
+        bound_ms = int(self.timeout_s * 1000)
+        ours: dict[str, Any] = {
+            "bootstrap_servers": self.bootstrap.split(","),
+            "client_id": f"flashrecovery-{client}",
+            "bootstrap_timeout_ms": bound_ms,
+            "request_timeout_ms": bound_ms,
+        }
+        if client == "producer":
+            # acks=all + idempotence: a retried send after a broker hiccup is stored once.
+            ours |= {
+                "acks": "all",
+                "enable_idempotence": True,
+                "max_block_ms": bound_ms,
+                "delivery_timeout_ms": bound_ms,
+            }
+        elif client == "consumer":
+            ours |= {"group_id": None, "enable_auto_commit": False, "auto_offset_reset": "earliest"}
+        return ours | self.clients[client]
+
+    def topic(self, stream: Stream) -> str:
+        return f"{self.topic_prefix}{Stream(stream).value}"
+
+
+@contextlib.contextmanager
+def _failing_as_log_error(what: str, bootstrap: str) -> Iterator[None]:
+    try:
+        yield
+    except KafkaError as exc:
+        raise LogError(f"Kafka at {bootstrap}: {what} failed: {exc!r}") from None
+
+
+def ensure_topics(settings: KafkaSettings) -> list[str]:
+    """Create the missing stream topics; return the ones this call created."""
+    topics = [settings.topic(s) for s in Stream]
+    with _failing_as_log_error("creating topics", settings.bootstrap):
+        admin = KafkaAdminClient(**settings.config("admin"))
+        try:
+            missing = sorted(set(topics) - set(admin.list_topics()))
+            if missing:
+                spec = {
+                    "num_partitions": settings.partitions,
+                    "replication_factor": settings.replication_factor,
+                }
+                try:
+                    admin.create_topics(
+                        {t: spec for t in missing},
+                        timeout_ms=int(settings.timeout_s * 1000),
+                        wait_for_metadata=True,
+                    )
+                except TopicAlreadyExistsError:  # another process won the race
+                    admin.wait_for_topics(missing, timeout_ms=int(settings.timeout_s * 1000))
+        finally:
+            admin.close()
+    return missing
+
+
+class KafkaLog(LogConnector):
+    """Append with an idempotent acks=all producer; read by assigning the job's partition."""
+
+    def __init__(self, url: str, settings: KafkaSettings) -> None:
+        self.url = url
+        self.settings = settings
+        self._lock = threading.Lock()  # KafkaConsumer is not thread-safe
+        self._partitions: dict[str, list[int]] = {}
+        ensure_topics(settings)
+        with self._failing("connecting"):
+            self._producer = KafkaProducer(**settings.config("producer"))
+            self._consumer = KafkaConsumer(**settings.config("consumer"))
+        self._delivery_s = self._producer.config["delivery_timeout_ms"] / 1000
+
+    @classmethod
+    def from_url(cls, url: str) -> KafkaLog:
+        return cls(url, KafkaSettings.parse(url))
+
+    def _failing(self, what: str) -> contextlib.AbstractContextManager[None]:
+        return _failing_as_log_error(what, self.settings.bootstrap)
+
+    def _partition(self, topic: str, key: bytes) -> int:
+        """The key's partition as Kafka's default partitioner picks it (so reads find it)."""
+        if topic not in self._partitions:
+            self._partitions[topic] = sorted(self._producer.partitions_for(topic))
+        partitions = self._partitions[topic]
+        return partitions[(murmur2(key) & 0x7FFFFFFF) % len(partitions)]
+
+    def append(self, stream: Stream, record: Envelope) -> int:
+        return self.append_raw(stream, record.job_id, dump_record(record))
+
+    def append_raw(self, stream: Stream, job_id: str, raw: bytes) -> int:
+        topic, key = self.settings.topic(stream), job_id.encode()
+        with self._failing(f"appending to {topic}"):
+            future = self._producer.send(
+                topic, value=bytes(raw), key=key, partition=self._partition(topic, key)
+            )
+            # The producer settles every send within its delivery timeout: wait that long so
+            # the answer is final (a give-up earlier could be stored later and then retried).
+            metadata = future.get(timeout=self._delivery_s + 5)
+        offset: int = metadata.offset
+        return offset
+
+    def read(
+        self, stream: Stream, job_id: str, from_position: int = 0, limit: int | None = None
+    ) -> list[Entry]:
+        return self._entries(stream, job_id, from_position, limit, wait_s=0.0)
+
+    def follow(
+        self, stream: Stream, job_id: str, from_position: int, timeout: float
+    ) -> list[Entry]:
+        return self._entries(stream, job_id, from_position, None, wait_s=timeout)
+
+    def _entries(
+        self, stream: Stream, job_id: str, start: int, limit: int | None, wait_s: float
+    ) -> list[Entry]:
+        topic, key = self.settings.topic(stream), job_id.encode()
+        out: list[Entry] = []
+        with self._lock, self._failing(f"reading {topic}"):
+            tp = TopicPartition(topic, self._partition(topic, key))
+            for rec in self._records({tp: start}, key, time.monotonic() + wait_s):
+                out.append(Entry.decode(rec.offset, rec.value or b"", Stream(stream)))
+                if limit is not None and len(out) >= limit:
+                    break
+        return out
+
+    def _records(
+        self, starts: dict[TopicPartition, int], key: bytes | None, wait_until: float
+    ) -> Iterator[Any]:
+        """Records (with this key, if given) from each start up to the current end; if none,
+        wait until ``wait_until`` for one. LogError if reading makes no progress in timeout_s."""
+        consumer = self._consumer
+        consumer.assign(list(starts))
+        ends: dict[TopicPartition, int] = consumer.end_offsets(list(starts))
+        for tp, start in starts.items():
+            consumer.seek(tp, min(max(start, 0), ends[tp]))
+        found, progress_at = False, time.monotonic()
+        while True:
+            behind = any(consumer.position(tp) < ends[tp] for tp in starts)
+            now = time.monotonic()
+            if not behind and (found or now >= wait_until):
+                return
+            if behind and now - progress_at > self.settings.timeout_s:
+                raise LogError(
+                    f"Kafka at {self.settings.bootstrap}: no progress reading "
+                    f"{sorted(tp.topic for tp in starts)} in {self.settings.timeout_s} s"
+                )
+            budget = self.settings.timeout_s - (now - progress_at) if behind else wait_until - now
+            for tp, records in consumer.poll(timeout_ms=max(1, int(budget * 1000))).items():
+                progress_at = time.monotonic()
+                for rec in records:
+                    ends[tp] = max(ends[tp], rec.offset + 1)
+                    if rec.offset >= starts[tp] and (key is None or rec.key == key):
+                        found = True
+                        yield rec
+
+    def jobs(self) -> list[str]:
+        with self._lock, self._failing("listing jobs"):
+            starts = {
+                TopicPartition(topic, p): 0
+                for topic in (self.settings.topic(s) for s in Stream)
+                for p in self._consumer.partitions_for_topic(topic) or ()
+            }
+            keys = {rec.key for rec in self._records(starts, None, 0.0) if rec.key}
+        return sorted(k.decode(errors="replace") for k in keys)
+
+    def close(self) -> None:
+        with self._lock:
+            self._producer.close(timeout=self.settings.timeout_s)
+            self._consumer.close()
