@@ -40,12 +40,13 @@ class Envelope(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[1] = 1
     record_id: str = Field(default_factory=new_record_id, min_length=1)
     job_id: JobId
     generation: int = Field(ge=0)
     source: str = Field(min_length=1)  # "rank:3", "spare:1", "agent", "detector", "engine"
     ts: float = Field(default_factory=time.time, ge=0)  # unix seconds, stamped at the edge
+    type: str  # each record type narrows this to its own literal name
 
 
 # ---------------------------------------------------------------- events
@@ -341,11 +342,12 @@ def parse_record(data: bytes | str | dict[str, Any], stream: Stream | None = Non
         raise RecordError(
             f"schema_version: unsupported value {version!r} (this build reads {SCHEMA_VERSION})"
         )
-    adapter: TypeAdapter[Any] = {
+    adapters: dict[Stream | None, TypeAdapter[Any]] = {
         None: _ANY,
         Stream.EVENTS: _EVENT,
         Stream.DECISIONS: _DECISION,
-    }[stream]
+    }
+    adapter = adapters[stream]
     try:
         record: Envelope = adapter.validate_python(data)
     except ValidationError as exc:

@@ -71,7 +71,7 @@ class KafkaSettings:
 
     bootstrap: str
     topic_prefix: str = "flashrecovery."
-    partitions: int = 3
+    partitions: int = 1  # one total order per stream, like the embedded log; raise to scale
     replication_factor: int = 1
     timeout_s: float = 10.0
     clients: dict[str, dict[str, Any]] = field(

@@ -1,0 +1,66 @@
+"""Detectors that need time. They take ``now`` as an argument and return the findings as event
+records; the loop appends them to the log first, so time enters the engine only as a record."""
+
+from __future__ import annotations
+
+import statistics
+
+from flashrecovery.engine.state import EngineState
+from flashrecovery.records import HeartbeatMissed, StallSuspected
+
+WATCHED = ("healthy", "suspect")  # ranks expected to heartbeat and progress
+
+
+def silent_ranks(state: EngineState, now: float) -> list[HeartbeatMissed]:
+    """Ranks with no heartbeat for missed_heartbeats x interval."""
+    config = state.config
+    if config is None or state.job.state in ("completed", "failed", "fallback"):
+        return []
+    limit = config.missed_heartbeats * config.heartbeat_interval_s
+    found = []
+    for rank, view in sorted(state.ranks.items()):
+        last = view.last_heartbeat_ts
+        if view.machine.state not in WATCHED or last is None or now - last <= limit:
+            continue
+        found.append(
+            HeartbeatMissed(
+                job_id=state.job_id,
+                generation=state.generation,
+                source="detector",
+                ts=now,
+                rank=rank,
+                last_seen_ts=last,
+                silent_s=round(now - last, 6),
+            )
+        )
+    return found
+
+
+def stalled_ranks(state: EngineState, now: float) -> list[StallSuspected]:
+    """While the job makes no step progress for max(k x median step, floor), suspect the ranks
+    that are behind their peers (peers that wait for them have committed more)."""
+    config = state.config
+    if config is None or state.job.state != "running":
+        return []
+    durations = [d for v in state.ranks.values() for d in v.step_durations]
+    window = max(
+        config.stall_factor * statistics.median(durations) if durations else 0.0,
+        config.stall_floor_s,
+    )
+    last_progress = max((v.last_step_ts or 0.0 for v in state.ranks.values()), default=0.0)
+    if not last_progress or now - last_progress <= window:
+        return []
+    top = state.max_committed()
+    return [
+        StallSuspected(
+            job_id=state.job_id,
+            generation=state.generation,
+            source="detector",
+            ts=now,
+            rank=rank,
+            last_step=view.committed_step,
+            stalled_s=round(now - (view.last_step_ts or last_progress), 6),
+        )
+        for rank, view in sorted(state.ranks.items())
+        if view.machine.state in WATCHED and view.committed_step < top
+    ]

@@ -1,0 +1,57 @@
+"""Recovery choices, as pure functions of the engine state: which spare, which donor, which step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flashrecovery.engine.state import EngineState
+
+
+def choose_spare(state: EngineState) -> int | None:
+    """The ready spare with the lowest id (oldest, so warmed up longest), or None: spawn."""
+    ready = state.ready_spares()
+    return ready[0].spare_id if ready else None
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    resume_step: int
+    donors: dict[int, int]  # shard -> donor rank
+    recipients: list[int]
+
+
+@dataclass(frozen=True)
+class NoReplica:
+    """Some shard has no member holding its state: only a checkpoint can restore it."""
+
+    shards: list[int]
+
+
+def plan_resume(state: EngineState) -> ResumePlan | NoReplica:
+    """Resume after the highest step the survivors committed; each shard's donor is its lowest
+    survivor at that step; replaced ranks and any member behind receive state."""
+    survivors = {
+        rank: view
+        for rank, view in state.ranks.items()
+        if rank not in state.needs_state and view.regrouped_step is not None
+    }
+    shards = sorted({view.shard for view in state.ranks.values()})
+    resume_step = max(
+        (v.regrouped_step for v in survivors.values() if v.regrouped_step is not None), default=-1
+    )
+    donors: dict[int, int] = {}
+    for shard in shards:
+        holders = [
+            r for r, v in survivors.items() if v.shard == shard and v.regrouped_step == resume_step
+        ]
+        if holders:
+            donors[shard] = min(holders)
+    missing = [s for s in shards if s not in donors]
+    if missing or not survivors:
+        return NoReplica(missing or shards)
+    recipients = sorted(
+        rank
+        for rank, view in state.ranks.items()
+        if rank in state.needs_state or view.regrouped_step != resume_step
+    )
+    return ResumePlan(resume_step, donors, recipients)

@@ -1,0 +1,191 @@
+"""A scripted world without torch: plays the agent and the ranks as records on a scripted clock.
+
+It answers each decision the way the real agent and trainer hooks do (docs/protocol.md), which
+lets tests, the example log writer and the decide benchmark exercise the whole recovery path
+deterministically and fast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from flashrecovery.connectors.base import LogConnector
+from flashrecovery.engine.loop import EngineLoop
+from flashrecovery.records import (
+    AssignSpare,
+    Decision,
+    Envelope,
+    Heartbeat,
+    JobFinished,
+    JobStarted,
+    RankExited,
+    RankFinished,
+    RankJoined,
+    RankRegrouped,
+    RegroupPlanned,
+    ReplacementSpawned,
+    ResumePlanned,
+    SpareActivated,
+    SpareReady,
+    SpawnReplacement,
+    StateTransferred,
+    StepCompleted,
+    Stream,
+)
+
+HOST = "sim-host"
+
+
+@dataclass
+class SimulatedWorld:
+    job_id: str
+    world_size: int = 4
+    spares: int = 1
+    heartbeat_interval_s: float = 0.5
+    step_s: float = 0.2
+    clock: float = 1_800_000_000.0
+    generation: int = 0
+    committed: int = -1
+    pids: dict[int, int] = field(default_factory=dict)
+    spare_pids: dict[int, int] = field(default_factory=dict)
+    _next_pid: int = 1000
+    _next_spare: int = 0
+
+    def _pid(self) -> int:
+        self._next_pid += 1
+        return self._next_pid
+
+    def _at(self, dt: float = 0.001) -> float:
+        self.clock = round(self.clock + dt, 6)
+        return self.clock
+
+    def _env(self, source: str) -> dict[str, Any]:
+        return {
+            "job_id": self.job_id,
+            "generation": self.generation,
+            "source": source,
+            "ts": self._at(),
+        }
+
+    def start(self) -> list[Envelope]:
+        out: list[Envelope] = [
+            JobStarted(
+                **self._env("agent"),
+                world_size=self.world_size,
+                spares=self.spares,
+                heartbeat_interval_s=self.heartbeat_interval_s,
+            )
+        ]
+        for _ in range(self.spares):
+            out.append(self.add_spare())
+        for rank in range(self.world_size):
+            self.pids[rank] = self._pid()
+            out.append(
+                RankJoined(**self._env(f"rank:{rank}"), rank=rank, pid=self.pids[rank], host=HOST)
+            )
+        return out
+
+    def add_spare(self) -> SpareReady:
+        spare_id, self._next_spare = self._next_spare, self._next_spare + 1
+        self.spare_pids[spare_id] = self._pid()
+        return SpareReady(
+            **self._env("agent"), spare_id=spare_id, pid=self.spare_pids[spare_id], host=HOST
+        )
+
+    def train(self, steps: int) -> Iterator[Envelope]:
+        for _ in range(steps):
+            step = self.committed + 1
+            self._at(self.step_s)
+            for rank, pid in sorted(self.pids.items()):
+                yield Heartbeat(
+                    **self._env(f"rank:{rank}"), rank=rank, step=step, pid=pid, host=HOST
+                )
+            for rank in sorted(self.pids):
+                yield StepCompleted(
+                    **self._env(f"rank:{rank}"),
+                    rank=rank,
+                    step=step,
+                    duration_s=self.step_s,
+                    loss=round(1.0 / (step + 1), 6),
+                )
+            self.committed = step
+
+    def kill(self, rank: int, signal: int = 9) -> RankExited:
+        return RankExited(**self._env("agent"), rank=rank, pid=self.pids[rank], signal=signal)
+
+    def raise_in(self, rank: int) -> RankExited:
+        return RankExited(**self._env("agent"), rank=rank, pid=self.pids[rank], exit_code=1)
+
+    def finish(self) -> list[Envelope]:
+        out: list[Envelope] = [
+            RankFinished(**self._env(f"rank:{r}"), rank=r, step=self.committed)
+            for r in sorted(self.pids)
+        ]
+        out.append(JobFinished(**self._env("agent"), status="completed"))
+        return out
+
+    def react(self, decision: Decision) -> list[Envelope]:
+        """What the agent and the hooks append in answer to a decision."""
+        if isinstance(decision, AssignSpare):
+            pid = self.spare_pids.pop(decision.spare_id)
+            self.pids[decision.rank] = pid
+            return [
+                SpareActivated(
+                    **self._env("agent"), spare_id=decision.spare_id, rank=decision.rank, pid=pid
+                )
+            ]
+        if isinstance(decision, SpawnReplacement):
+            self.pids[decision.rank] = self._pid()
+            return [
+                ReplacementSpawned(
+                    **self._env("agent"), rank=decision.rank, pid=self.pids[decision.rank]
+                )
+            ]
+        if isinstance(decision, RegroupPlanned):
+            self.generation = decision.generation
+            return [
+                RankRegrouped(
+                    **self._env(f"rank:{rank}"),
+                    rank=rank,
+                    committed_step=-1 if rank in decision.replaced else self.committed,
+                    pid=self.pids[rank],
+                )
+                for rank in decision.members
+            ]
+        if isinstance(decision, ResumePlanned):
+            self.committed = decision.resume_step
+            return [
+                StateTransferred(
+                    **self._env(f"rank:{rank}"),
+                    rank=rank,
+                    donor=decision.donors[0],
+                    bytes=4096,
+                    ms=3.0,
+                )
+                for rank in decision.recipients
+            ]
+        return []
+
+
+def drive(
+    log: LogConnector, engine: EngineLoop, world: SimulatedWorld, records: Iterable[Envelope]
+) -> list[Decision]:
+    """Append records, let the engine decide, answer its decisions, until all is quiet.
+    Returns the decisions written during the call."""
+    pending = list(records)
+    seen = len(log.read(Stream.DECISIONS, world.job_id))
+    written: list[Decision] = []
+    while pending:
+        for record in pending:
+            log.append(Stream.EVENTS, record)
+        pending = []
+        engine.apply(log.read(Stream.EVENTS, world.job_id, engine.next_position))
+        new = [e.record for e in log.read(Stream.DECISIONS, world.job_id)[seen:]]
+        seen += len(new)
+        for decision in new:
+            assert isinstance(decision, Decision)
+            written.append(decision)
+            pending.extend(world.react(decision))
+    return written
