@@ -284,7 +284,7 @@ class EmbeddedLog(LogConnector):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return []
-                time.sleep(remaining)
+                time.sleep(min(delay, remaining))
                 delay = min(delay * 2, MAX_POLL_S)
                 with self._db() as db:
                     if self._data_version(db) != version:
