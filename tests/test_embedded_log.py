@@ -1,0 +1,106 @@
+"""What is particular to the embedded (SQLite) log: its URL, its file, its durability settings."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from pathlib import Path
+
+import pytest
+
+from flashrecovery.connectors import LogError, open_log
+from flashrecovery.connectors.embedded import EmbeddedLog
+from flashrecovery.records import Heartbeat, Stream
+
+
+def heartbeat(step: int) -> Heartbeat:
+    return Heartbeat(job_id="job", generation=0, source="rank:0", rank=0, step=step, pid=1,
+                     host="node0")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("sqlite://", "names no database file"),
+        ("sqlite://?timeout=5", "names no database file"),
+        ("sqlite:///tmp/", "names a directory"),
+        ("sqlite:///tmp/run.db?mode=ro", "unknown option 'mode'"),
+        ("sqlite:///tmp/run.db?timeout", "malformed query"),
+        ("sqlite:///tmp/run.db?timeout=soon", "timeout must be a positive number"),
+        ("sqlite:///tmp/run.db?timeout=0", "timeout must be a positive number"),
+        ("sqlite:///tmp/run.db#frag", "fragment"),
+    ],
+)
+def test_malformed_url_is_a_log_error_that_says_why(url: str, message: str) -> None:
+    with pytest.raises(LogError, match=message):
+        open_log(url)
+
+
+def test_url_forms_name_the_expected_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with EmbeddedLog.from_url(f"sqlite://{tmp_path}/abs/run.db") as log:
+        assert isinstance(log, EmbeddedLog) and log.path == tmp_path / "abs" / "run.db"
+    with EmbeddedLog.from_url(f"sqlite:///{tmp_path}/abs/run.db?timeout=2.5") as log:
+        assert log.path == tmp_path / "abs" / "run.db"  # the sqlite:////abs spelling
+        assert log.timeout == 2.5
+    with EmbeddedLog.from_url("sqlite://rel/dir/run%20x.db") as log:
+        assert log.path == tmp_path / "rel" / "dir" / "run x.db"
+    assert (tmp_path / "rel" / "dir" / "run x.db").is_file()
+
+
+def test_file_is_created_with_parents_in_wal_mode(tmp_path: Path) -> None:
+    path = tmp_path / "a" / "b" / "run.db"
+    with EmbeddedLog.from_url(f"sqlite://{path}") as log:
+        log.append(Stream.EVENTS, heartbeat(0))
+        with log._db() as own:  # FULL: the WAL is fsynced before append returns
+            assert own.execute("PRAGMA synchronous").fetchone()[0] == 2
+    db = sqlite3.connect(path)
+    try:
+        assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert db.execute("SELECT count(*) FROM events").fetchone()[0] == 1
+    finally:
+        db.close()
+
+
+def test_a_file_that_is_not_a_database_is_a_log_error(tmp_path: Path) -> None:
+    path = tmp_path / "run.db"
+    path.write_bytes(b"this is not a sqlite database, just some bytes" * 100)
+    with pytest.raises(LogError, match="cannot use log"):
+        open_log(f"sqlite://{path}")
+
+
+def test_a_newer_schema_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "run.db"
+    db = sqlite3.connect(path)
+    db.execute("PRAGMA user_version = 99")
+    db.close()
+    with pytest.raises(LogError, match="newer flashrecovery"):
+        open_log(f"sqlite://{path}")
+
+
+def test_each_thread_has_its_own_connection_and_close_ends_them_all(tmp_path: Path) -> None:
+    log = EmbeddedLog.from_url(f"sqlite://{tmp_path}/run.db")
+    log.append(Stream.EVENTS, heartbeat(0))
+    seen: list[int] = []
+    done = threading.Event()
+    release = threading.Event()
+
+    def reader() -> None:
+        seen.append(len(log.read(Stream.EVENTS, "job")))
+        done.set()
+        release.wait(30)  # keep the thread (and its connection) alive until close
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        assert done.wait(30)
+        assert seen == [1]
+        assert len({id(c.db) for c in log._connections}) == 2
+        log.close()
+        with pytest.raises(LogError, match="closed"):
+            log.read(Stream.EVENTS, "job")
+    finally:
+        release.set()
+        thread.join(30)
+    with open_log(f"sqlite://{tmp_path}/run.db") as again:
+        assert len(again.read(Stream.EVENTS, "job")) == 1
