@@ -50,6 +50,7 @@ class SimulatedWorld:
     committed: int = -1
     pids: dict[int, int] = field(default_factory=dict)
     spare_pids: dict[int, int] = field(default_factory=dict)
+    answered: int = 0  # decisions reacted to so far
     _next_pid: int = 1000
     _next_spare: int = 0
 
@@ -128,6 +129,7 @@ class SimulatedWorld:
 
     def react(self, decision: Decision) -> list[Envelope]:
         """What the agent and the hooks append in answer to a decision."""
+        self.answered += 1
         if isinstance(decision, AssignSpare):
             pid = self.spare_pids.pop(decision.spare_id)
             self.pids[decision.rank] = pid
@@ -189,3 +191,25 @@ def drive(
             written.append(decision)
             pending.extend(world.react(decision))
     return written
+
+
+def scripted_failure(
+    log: LogConnector,
+    job_id: str,
+    *,
+    world_size: int = 4,
+    spares: int = 1,
+    kill_rank: int = 2,
+    steps_before: int = 3,
+    steps_after: int = 2,
+) -> list[Decision]:
+    """The reference scenario: train, SIGKILL one rank, recover, train on, finish.
+    Returns every decision the engine wrote."""
+    world = SimulatedWorld(job_id, world_size=world_size, spares=spares)
+    engine = EngineLoop(log, job_id)
+    decisions = drive(log, engine, world, world.start())
+    decisions += drive(log, engine, world, world.train(steps_before))
+    decisions += drive(log, engine, world, [world.kill(kill_rank)])
+    decisions += drive(log, engine, world, world.train(steps_after))
+    decisions += drive(log, engine, world, world.finish())
+    return decisions

@@ -1,0 +1,156 @@
+"""Show a job's records: a readable table by default, JSON lines on request.
+
+`flashrecovery events --log URL [--job ID] [--rank R] [--type T] [--since POS] [--follow] [--json]`
+reads both streams of the log (events and decisions) in position order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from flashrecovery.connectors import LogError, open_log
+from flashrecovery.connectors.base import Entry, LogConnector
+from flashrecovery.records import Stream
+
+SUMMARY_SKIP = {
+    "schema_version",
+    "record_id",
+    "job_id",
+    "generation",
+    "source",
+    "ts",
+    "type",
+    "rank",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log", required=True, help="log URL, e.g. sqlite:///runs/job/log.db")
+    parser.add_argument("--job", help="job id (default: every job in the log)")
+    parser.add_argument("--rank", type=int, help="only records about this rank")
+    parser.add_argument(
+        "--type", action="append", dest="types", help="only this record type (repeatable)"
+    )
+    parser.add_argument("--since", type=int, default=0, help="first position to show")
+    parser.add_argument(
+        "--stream", choices=[s.value for s in Stream], help="one stream only (default both)"
+    )
+    parser.add_argument("--follow", action="store_true", help="keep printing new records")
+    parser.add_argument("--json", action="store_true", help="JSON lines instead of a table")
+
+
+def matches(entry: Entry, args: argparse.Namespace) -> bool:
+    record = entry.record
+    if record is None:
+        return args.rank is None and not args.types
+    if args.types and record.type not in args.types:
+        return False
+    return args.rank is None or getattr(record, "rank", None) == args.rank
+
+
+def as_json(job_id: str, stream: Stream, entry: Entry) -> dict[str, Any]:
+    body: dict[str, Any] = (
+        entry.record.model_dump(mode="json")
+        if entry.record is not None
+        else {"invalid": entry.raw.decode(errors="replace"), "error": entry.error}
+    )
+    return {"stream": stream.value, "position": entry.position, "job_id": job_id, **body}
+
+
+def summary(entry: Entry) -> str:
+    if entry.record is None:
+        return f"[invalid] {entry.error}"
+    fields = entry.record.model_dump(mode="json", exclude=SUMMARY_SKIP)
+    return " ".join(f"{k}={json.dumps(v)}" for k, v in fields.items() if v is not None)
+
+
+def collect(
+    log: LogConnector, job_id: str, streams: list[Stream], since: dict[Stream, int]
+) -> list[tuple[Stream, Entry]]:
+    """Entries of the chosen streams, merged by timestamp (positions of two streams differ)."""
+    rows = [(s, e) for s in streams for e in log.read(s, job_id, since[s])]
+    return sorted(
+        rows,
+        key=lambda row: (row[1].record.ts if row[1].record else 0.0, row[0] == Stream.DECISIONS),
+    )
+
+
+def print_rows(
+    rows: Iterable[tuple[str, Stream, Entry]], args: argparse.Namespace, console: Console
+) -> None:
+    if args.json:
+        for job_id, stream, entry in rows:
+            sys.stdout.write(json.dumps(as_json(job_id, stream, entry)) + "\n")
+        sys.stdout.flush()
+        return
+    table = Table(box=None, pad_edge=False)
+    for column in ("time", "job", "stream", "pos", "gen", "source", "type", "rank", "details"):
+        table.add_column(column, overflow="fold")
+    for job_id, stream, entry in rows:
+        record = entry.record
+        when = (
+            dt.datetime.fromtimestamp(record.ts, dt.UTC).strftime("%H:%M:%S.%f")[:-3]
+            if record
+            else "-"
+        )
+        rank = getattr(record, "rank", None)
+        style = "bold" if stream == Stream.DECISIONS else None
+        table.add_row(
+            when,
+            job_id,
+            stream.value,
+            str(entry.position),
+            str(record.generation) if record else "-",
+            record.source if record else "-",
+            record.type if record else "invalid",
+            "" if rank is None else str(rank),
+            summary(entry),
+            style=style,
+        )
+    console.print(table)
+
+
+def _batches(
+    log: LogConnector, args: argparse.Namespace
+) -> Iterator[list[tuple[str, Stream, Entry]]]:
+    streams = [Stream(args.stream)] if args.stream else list(Stream)
+    jobs = [args.job] if args.job else log.jobs()
+    since = {job: {s: args.since for s in streams} for job in jobs}
+    while True:
+        batch = []
+        for job in jobs:
+            for stream, entry in collect(log, job, streams, since[job]):
+                since[job][stream] = max(since[job][stream], entry.position + 1)
+                if matches(entry, args):
+                    batch.append((job, stream, entry))
+        yield batch
+        if not args.follow:
+            return
+        # Block on the events stream (the busy one) with a bound, then look again.
+        for job in jobs:
+            log.follow(streams[0], job, since[job][streams[0]], timeout=0.5)
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console()
+    try:
+        with open_log(args.log) as log:
+            if args.job and args.job not in log.jobs():
+                raise LogError(f"job {args.job!r} has no records in {args.log}")
+            for batch in _batches(log, args):
+                if batch or not args.follow:
+                    print_rows(batch, args, console)
+    except LogError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0

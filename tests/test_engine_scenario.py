@@ -1,0 +1,241 @@
+"""The scripted failure scenario (no torch): exact decisions, replay, doctored log, restart."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from flashrecovery.connectors.memory import MemoryLog
+from flashrecovery.engine.loop import EngineLoop
+from flashrecovery.engine.replay import replay_job
+from flashrecovery.engine.simulation import SimulatedWorld, drive, scripted_failure
+from flashrecovery.records import Decision, Envelope, Stream
+
+JOB = "scripted"
+VOLATILE = {"schema_version", "record_id", "job_id", "source", "ts"}
+
+
+def essentials(decisions: list[Decision]) -> list[dict[str, Any]]:
+    out = []
+    for d in decisions:
+        fields = d.model_dump(exclude=VOLATILE)
+        if d.type == "incident_closed":
+            fields.pop("rto_s")
+            fields["phases"] = sorted(fields["phases"])
+        out.append(fields)
+    return out
+
+
+def test_kill_with_spare_decides_isolate_replace_regroup_restore_resume() -> None:
+    log = MemoryLog()
+    decisions = scripted_failure(log, JOB, world_size=4, spares=1, kill_rank=2, steps_before=3)
+    kill = next(
+        e for e in log.read(Stream.EVENTS, JOB) if e.record and e.record.type == "rank_exited"
+    )
+    regrouped = [
+        e for e in log.read(Stream.EVENTS, JOB) if e.record and e.record.type == "rank_regrouped"
+    ]
+    steps_after = [
+        e
+        for e in log.read(Stream.EVENTS, JOB)
+        if e.record and e.record.type == "step_completed" and e.record.generation == 1
+    ]
+    assert kill.record is not None and hasattr(kill.record, "pid")
+    incident = f"{JOB}-incident-1"
+    assert essentials(decisions) == [
+        {
+            "generation": 0,
+            "type": "isolate_rank",
+            "caused_by": kill.position,
+            "incident_id": incident,
+            "rank": 2,
+            "pid": kill.record.pid,
+            "reason": f"process {kill.record.pid} exited (signal 9)",
+            "kill": True,
+        },
+        {
+            "generation": 1,
+            "type": "assign_spare",
+            "caused_by": kill.position,
+            "incident_id": incident,
+            "rank": 2,
+            "spare_id": 0,
+        },
+        {
+            "generation": 1,
+            "type": "regroup_planned",
+            "caused_by": kill.position,
+            "incident_id": incident,
+            "members": [0, 1, 2, 3],
+            "replaced": [2],
+        },
+        {
+            "generation": 1,
+            "type": "resume_planned",
+            "caused_by": regrouped[-1].position,
+            "incident_id": incident,
+            "resume_step": 2,
+            "donors": {0: 0},
+            "recipients": [2],
+        },
+        {
+            "generation": 1,
+            "type": "incident_closed",
+            "caused_by": steps_after[3].position,  # the 4th rank to commit step 3
+            "incident_id": incident,
+            "failed_rank": 2,
+            "rpo_steps": 0,
+            "recomputed_steps": 1,
+            "phases": sorted(
+                ["detected", "isolated", "replacement_ready", "regrouped", "restored", "resumed"]
+            ),
+        },
+    ]
+    closed = decisions[-1]
+    assert closed.type == "incident_closed"
+    assert closed.rto_s == pytest.approx(steps_after[3].record.ts - kill.record.ts)  # type: ignore[union-attr]
+
+
+def test_without_a_spare_the_engine_spawns_a_replacement() -> None:
+    decisions = scripted_failure(MemoryLog(), JOB, spares=0, kill_rank=1)
+    assert [d.type for d in decisions] == [
+        "isolate_rank",
+        "spawn_replacement",
+        "regroup_planned",
+        "resume_planned",
+        "incident_closed",
+    ]
+    assert decisions[1].model_dump()["rank"] == 1
+
+
+def test_second_failure_uses_the_next_generation() -> None:
+    log = MemoryLog()
+    world = SimulatedWorld(JOB, world_size=3, spares=1)
+    engine = EngineLoop(log, JOB)
+    drive(log, engine, world, world.start())
+    drive(log, engine, world, world.train(2))
+    first = drive(log, engine, world, [world.kill(0)])
+    drive(log, engine, world, world.train(2))
+    second = drive(log, engine, world, [world.raise_in(2)])
+    drive(log, engine, world, world.train(1))
+    assert [d.type for d in first][:3] == ["isolate_rank", "assign_spare", "regroup_planned"]
+    assert [d.type for d in second][:3] == ["isolate_rank", "spawn_replacement", "regroup_planned"]
+    regroups = [d for d in first + second if d.type == "regroup_planned"]
+    assert [d.generation for d in regroups] == [1, 2]
+    resume = next(d for d in second if d.type == "resume_planned")
+    assert resume.model_dump()["donors"] == {0: 0}  # rank 0's replacement is a healthy donor now
+    assert engine.state.job.state == "running"
+    assert [i.machine.state for i in engine.state.incidents] == ["closed", "closed"]
+
+
+def test_stale_generation_records_are_fenced() -> None:
+    log = MemoryLog()
+    world = SimulatedWorld(JOB, world_size=2, spares=1)
+    engine = EngineLoop(log, JOB)
+    drive(log, engine, world, world.start())
+    drive(log, engine, world, world.train(1))
+    drive(log, engine, world, [world.kill(1)])
+    world.generation = 0  # a survivor's late record from generation 0
+    late = list(world.train(1))
+    before = engine.state.ranks[0].committed_step
+    decisions = drive(log, engine, world, late)
+    assert decisions == []
+    assert engine.state.fenced == len(late)
+    assert engine.state.ranks[0].committed_step == before
+
+
+def test_replay_reproduces_every_decision() -> None:
+    log = MemoryLog()
+    decisions = scripted_failure(log, JOB)
+    report = replay_job(log, JOB)
+    assert report.ok, report.divergence
+    assert report.decisions_checked == len(decisions)
+    assert report.state.job.state == "completed"
+    [incident] = report.incidents()
+    assert incident["state"] == "closed" and incident["rpo_steps"] == 0
+
+
+def copy_log(
+    source: MemoryLog, edit: dict[str, Any] | None = None, record_id: str = ""
+) -> MemoryLog:
+    """A copy of one job's log (same positions), with one decision's fields overwritten."""
+    copy = MemoryLog()
+    for stream in Stream:
+        for entry in source.read(stream, JOB):
+            record = entry.record
+            assert record is not None
+            if record.record_id == record_id and edit:
+                record = record.model_copy(update=edit)
+            assert copy.append(stream, record) == entry.position
+    return copy
+
+
+def test_doctored_log_diverges_at_the_edited_decision() -> None:
+    log = MemoryLog()
+    decisions = scripted_failure(log, JOB)
+    resume = next(d for d in decisions if d.type == "resume_planned")
+    doctored = copy_log(log, {"resume_step": 1}, resume.record_id)
+    assert replay_job(copy_log(log), JOB).ok
+    report = replay_job(doctored, JOB)
+    assert not report.ok and report.divergence is not None
+    assert report.divergence.position == resume.caused_by
+    assert report.divergence.recorded is not None and report.divergence.replayed is not None
+    assert report.divergence.recorded["resume_step"] == 1
+    assert report.divergence.replayed["resume_step"] == 2
+
+
+def test_replay_until_rebuilds_the_state_as_it_stood() -> None:
+    log = MemoryLog()
+    decisions = scripted_failure(log, JOB)
+    regroup = next(d for d in decisions if d.type == "regroup_planned")
+    report = replay_job(log, JOB, until=regroup.caused_by)
+    assert report.ok
+    assert report.state.job.state == "regrouping"
+    assert report.state.ranks[2].machine.state == "isolated"
+    assert report.incidents()[0]["state"] == "isolated"
+
+
+class CrashingLog(MemoryLog):
+    """A log whose engine dies after writing a given number of decisions."""
+
+    def __init__(self, decisions_before_crash: int) -> None:
+        super().__init__()
+        self.budget = decisions_before_crash
+
+    def append(self, stream: Stream, record: Envelope) -> int:
+        if stream == Stream.DECISIONS:
+            if self.budget == 0:
+                raise RuntimeError("engine killed")
+            self.budget -= 1
+        return super().append(stream, record)
+
+
+# 1, 2: killed between the decisions of one event; 3: killed while planning the resume.
+@pytest.mark.parametrize("written_before_crash", [1, 2, 3])
+def test_engine_restart_mid_incident_finishes_with_the_same_decisions(
+    written_before_crash: int,
+) -> None:
+    reference = scripted_failure(MemoryLog(), JOB)
+
+    log = CrashingLog(written_before_crash)
+    world = SimulatedWorld(JOB)
+    engine = EngineLoop(log, JOB)
+    drive(log, engine, world, world.start())
+    drive(log, engine, world, world.train(3))
+    with pytest.raises(RuntimeError, match="engine killed"):
+        drive(log, engine, world, [world.kill(2)])
+    assert len(log.read(Stream.DECISIONS, JOB)) == written_before_crash
+
+    log.budget = -1  # the new engine's appends succeed
+    restarted = EngineLoop(log, JOB)
+    restarted.catch_up()
+    written = [e.record for e in log.read(Stream.DECISIONS, JOB)]
+    assert written == reference[: len(written)]  # nothing lost, nothing twice
+    unanswered = written[world.answered :]
+    drive(log, restarted, world, [r for d in unanswered for r in world.react(d)])  # type: ignore[arg-type]
+    drive(log, restarted, world, world.train(2))
+    drive(log, restarted, world, world.finish())
+    final = [e.record for e in log.read(Stream.DECISIONS, JOB)]
+    assert final == reference
+    assert replay_job(log, JOB).ok
