@@ -232,9 +232,9 @@ class KafkaLog(LogConnector):
         with self._lock, self._failing(f"reading {topic}"):
             tp = TopicPartition(topic, self._partition(topic, key))
             for rec in self._records({tp: start}, key, time.monotonic() + wait_s):
-                out.append(Entry.decode(rec.offset, rec.value or b"", Stream(stream)))
                 if limit is not None and len(out) >= limit:
                     break
+                out.append(Entry.decode(rec.offset, rec.value or b"", Stream(stream)))
         return out
 
     def _records(

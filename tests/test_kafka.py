@@ -1,0 +1,201 @@
+"""Kafka-specific guarantees, on a real broker: foreign tools read the records, a broker restart
+loses and duplicates nothing, a dead broker fails fast, and client settings pass through."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from kafka_fixture import fresh_prefix, kafka_url
+
+from flashrecovery.connectors import LogError, open_log
+from flashrecovery.connectors.kafka import KafkaSettings, redact
+from flashrecovery.connectors.kafka_broker import KafkaBroker, free_port
+from flashrecovery.records import (
+    Envelope,
+    Heartbeat,
+    IsolateRank,
+    Stream,
+    parse_record,
+)
+
+pytestmark = pytest.mark.kafka
+WAIT_S = 60.0  # bound on a broker restart or a CLI call: never reached when green
+
+
+def heartbeat(job_id: str, step: int) -> Heartbeat:
+    return Heartbeat(job_id=job_id, generation=0, source="rank:0", rank=0, step=step, pid=7,
+                     host="node0")  # fmt: skip
+
+
+def test_kcat_reads_back_exactly_what_the_connector_wrote(kafka_bootstrap: str) -> None:
+    prefix = fresh_prefix()
+    written: dict[str, list[Envelope]] = {}
+    with open_log(kafka_url(kafka_bootstrap, topic_prefix=prefix, partitions=3)) as log:
+        for step in range(5):
+            for job in ("job-a", "job-b", "job-c"):
+                record = heartbeat(job, step)
+                log.append(Stream.EVENTS, record)
+                written.setdefault(job, []).append(record)
+        decision = IsolateRank(job_id="job-a", generation=0, source="engine", caused_by=0, rank=0,
+                               reason="test")  # fmt: skip
+        log.append(Stream.DECISIONS, decision)
+
+    def kcat(topic: str) -> dict[str, list[Envelope]]:
+        out = subprocess.run(
+            ["kcat", "-C", "-b", kafka_bootstrap, "-t", topic, "-e", "-q", "-o", "beginning",
+             "-f", "%k\t%s\n"],
+            capture_output=True, text=True, timeout=WAIT_S, check=True,
+        ).stdout  # fmt: skip
+        read: dict[str, list[Envelope]] = {}
+        for line in out.splitlines():
+            key, value = line.split("\t", 1)
+            read.setdefault(key, []).append(parse_record(value))
+        return read
+
+    assert kcat(f"{prefix}events") == written  # every job's records, in its order
+    assert kcat(f"{prefix}decisions") == {"job-a": [decision]}
+
+
+def test_jobs_keep_their_order_across_partitions(kafka_bootstrap: str) -> None:
+    with open_log(kafka_url(kafka_bootstrap, partitions=3)) as log:
+        jobs = [f"job-{i}" for i in range(6)]
+        positions = {
+            j: [log.append(Stream.EVENTS, heartbeat(j, s)) for s in range(4)] for j in jobs
+        }
+        for job in jobs:
+            entries = log.read(Stream.EVENTS, job)
+            assert [e.position for e in entries] == positions[job]
+            assert [e.record.step for e in entries if isinstance(e.record, Heartbeat)] == [
+                0,
+                1,
+                2,
+                3,
+            ]
+        assert log.jobs() == jobs
+
+
+def test_broker_restart_mid_run_loses_and_duplicates_nothing() -> None:
+    broker = KafkaBroker()
+    try:
+        bootstrap = broker.start()
+        url = kafka_url(bootstrap, timeout_s=WAIT_S)
+        impatient_url = url.replace(f"timeout_s={WAIT_S}", "timeout_s=2")
+        with open_log(url) as log, open_log(impatient_url) as impatient:
+            acked = [(log.append(Stream.EVENTS, heartbeat("job", s)), s) for s in range(5)]
+            broker.stop(keep_data=True)
+
+            # While it is down: a short bound fails clearly and promptly …
+            for call in (
+                lambda: impatient.append(Stream.EVENTS, heartbeat("other-job", 0)),
+                lambda: impatient.read(Stream.EVENTS, "job"),
+            ):
+                started = time.monotonic()
+                with pytest.raises(LogError, match="Kafka at"):
+                    call()
+                assert time.monotonic() - started < 2 + 6
+            # … and a patient append waits for the broker to come back.
+            with ThreadPoolExecutor(1) as pool:
+                pending = pool.submit(log.append, Stream.EVENTS, heartbeat("job", 5))
+                assert not pending.done()  # nothing can acknowledge it now
+                assert broker.start() == bootstrap  # same data dir, same port
+                acked.append((pending.result(timeout=WAIT_S), 5))
+            acked += [(log.append(Stream.EVENTS, heartbeat("job", s)), s) for s in range(6, 10)]
+
+            entries = log.read(Stream.EVENTS, "job")
+            steps = [e.record.step for e in entries if isinstance(e.record, Heartbeat)]
+            assert steps == list(range(10))  # exactly once each, in order
+            assert [e.position for e in entries] == [position for position, _ in acked]
+    finally:
+        broker.stop()
+    assert broker.run_dir is None
+
+
+def test_an_unreachable_broker_is_a_clear_error_within_the_bound() -> None:
+    port = free_port()  # nothing listens there
+    started = time.monotonic()
+    with pytest.raises(LogError, match=f"127.0.0.1:{port}"):
+        open_log(f"kafka://127.0.0.1:{port}?timeout_s=2")
+    assert time.monotonic() - started < 2 + 3
+
+
+def test_client_settings_reach_kafka_python_untouched() -> None:
+    url = (
+        "kafka://k1:9093,k2:9093?security_protocol=SASL_SSL&sasl_mechanism=SCRAM-SHA-512"
+        "&sasl_plain_username=svc&sasl_plain_password=p%26ss%3Dw0rd&ssl_cafile=/etc/ca.pem"
+        "&ssl_check_hostname=false&producer.linger_ms=5&consumer.fetch_max_wait_ms=100"
+        "&topic_prefix=prod.&partitions=12&replication_factor=3&timeout_s=2.5"
+    )
+    env = {
+        "FLASHRECOVERY_KAFKA_CACHE": "/not/a/client/setting",
+        "FLASHRECOVERY_KAFKA_SASL_PLAIN_USERNAME": "overridden-by-url",
+        "FLASHRECOVERY_KAFKA_PRODUCER__COMPRESSION_TYPE": "gzip",
+    }
+    settings = KafkaSettings.parse(url, env)
+    assert (settings.topic(Stream.EVENTS), settings.partitions) == ("prod.events", 12)
+    assert (settings.replication_factor, settings.timeout_s) == (3, 2.5)
+    secure = {
+        "security_protocol": "SASL_SSL",
+        "sasl_mechanism": "SCRAM-SHA-512",
+        "sasl_plain_username": "svc",
+        "sasl_plain_password": "p&ss=w0rd",
+        "ssl_cafile": "/etc/ca.pem",
+        "ssl_check_hostname": False,
+    }
+    producer, consumer, admin = (settings.config(c) for c in ("producer", "consumer", "admin"))
+    for config in (producer, consumer, admin):
+        assert secure.items() <= config.items()
+        assert config["bootstrap_servers"] == ["k1:9093", "k2:9093"]
+        assert config["bootstrap_timeout_ms"] == 2500
+    assert (producer["linger_ms"], producer["compression_type"]) == (5, "gzip")
+    assert (producer["acks"], producer["enable_idempotence"]) == ("all", True)
+    assert consumer["fetch_max_wait_ms"] == 100
+    assert "linger_ms" not in consumer and "fetch_max_wait_ms" not in producer
+    assert "p&ss" not in redact(url) and "sasl_plain_password=***" in redact(url)
+
+
+@pytest.mark.parametrize(
+    ("query", "named"),
+    [
+        ("no_such_setting=1", "unknown Kafka setting 'no_such_setting'"),
+        ("producer.fetch_max_wait_ms=1", "unknown Kafka setting 'producer.fetch_max_wait_ms'"),
+        ("linger_ms=soon", "linger_ms='soon' is not a int"),
+        ("partitioner=murmur", "cannot be given as text"),
+    ],
+)
+def test_bad_settings_are_clear_errors(query: str, named: str) -> None:
+    with pytest.raises(LogError, match=named):
+        KafkaSettings.parse(f"kafka://k1:9092?{query}", {})
+
+
+def test_cli_starts_a_background_broker_creates_topics_and_stops_it(tmp_path: Path) -> None:
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "flashrecovery.cli", *args],
+            capture_output=True, text=True, timeout=WAIT_S * 2, check=False,
+        )  # fmt: skip
+
+    state = ["--state-dir", str(tmp_path)]
+    try:
+        started = cli("broker", "start", *state)
+        assert started.returncode == 0, started.stderr
+        bootstrap = started.stdout.strip()
+        assert cli("broker", "status", *state).stdout.strip() == bootstrap
+        pid = json.loads((tmp_path / "broker.json").read_text())["pid"]
+
+        created = cli("topics", "create", "--log", f"kafka://{bootstrap}?topic_prefix=cli.")
+        assert created.returncode == 0, created.stderr
+        listing = subprocess.run(["kcat", "-L", "-b", bootstrap], capture_output=True, text=True,
+                                 timeout=WAIT_S, check=True).stdout  # fmt: skip
+        assert '"cli.events"' in listing and '"cli.decisions"' in listing
+    finally:
+        assert cli("broker", "stop", *state).returncode == 0
+    assert cli("broker", "status", *state).returncode == 1
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
