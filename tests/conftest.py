@@ -16,6 +16,7 @@ import pytest
 
 from flashrecovery.connectors import LogConnector, open_log
 
+pytest_plugins = ["kafka_fixture"]  # the session's Kafka broker (kafka_bootstrap)
 LogUrlFactory = Callable[[pytest.FixtureRequest, Path], str]
 
 
@@ -27,12 +28,20 @@ def _sqlite_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return f"sqlite://{tmp_path / 'log' / 'run.db'}"  # parent dir does not exist yet on purpose
 
 
+def _kafka_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    return str(request.getfixturevalue("kafka_log_url"))  # on the session's broker
+
+
 LOG_URL_FACTORIES: dict[str, LogUrlFactory] = {
     "memory": _memory_url,
     "sqlite": _sqlite_url,
+    "kafka": _kafka_url,
 }
 # Backends where a second open_log(url) sees what the first one wrote (reopen, multi-process).
-PERSISTENT_LOG_BACKENDS: list[Any] = [pytest.param("sqlite", id="sqlite")]
+PERSISTENT_LOG_BACKENDS: list[Any] = [
+    pytest.param("sqlite", id="sqlite"),
+    pytest.param("kafka", id="kafka", marks=pytest.mark.kafka),
+]
 LOG_BACKENDS: list[Any] = [pytest.param("memory", id="memory"), *PERSISTENT_LOG_BACKENDS]
 
 
