@@ -1,0 +1,133 @@
+"""Shared builders for the pure-logic tests: one valid record per type, record strategies, and
+an engine state driven to a running job by a scripted world."""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Iterable
+from typing import Any
+
+from hypothesis import strategies as st
+
+from flashrecovery.engine.decide import decide
+from flashrecovery.engine.simulation import SimulatedWorld
+from flashrecovery.engine.state import EngineState
+from flashrecovery.records import Decision, DecisionRecord, Envelope, EventRecord
+
+JOB = "job-1"
+T0 = 1_800_000_000.0
+
+# The members of the discriminated unions, so a new record type shows up here by itself.
+EVENT_TYPES: list[type[Envelope]] = list(typing.get_args(typing.get_args(EventRecord)[0]))
+DECISION_TYPES: list[type[Envelope]] = list(typing.get_args(typing.get_args(DecisionRecord)[0]))
+RECORD_TYPES: list[type[Envelope]] = [*EVENT_TYPES, *DECISION_TYPES]
+
+# The required fields of each type (beyond the envelope), with valid values.
+SAMPLE_FIELDS: dict[str, dict[str, Any]] = {
+    "job_started": {"world_size": 4, "spares": 1, "heartbeat_interval_s": 0.5},
+    "rank_joined": {"rank": 0, "pid": 1001, "host": "h"},
+    "spare_ready": {"spare_id": 0, "pid": 2001, "host": "h"},
+    "heartbeat": {"rank": 0, "step": 3, "pid": 1001, "host": "h"},
+    "step_completed": {"rank": 0, "step": 3, "duration_s": 0.2, "loss": 0.5},
+    "rank_exited": {"rank": 0, "pid": 1001, "signal": 9},
+    "collective_error": {"rank": 1, "step": 3, "error": "peer vanished"},
+    "heartbeat_missed": {"rank": 0, "last_seen_ts": T0, "silent_s": 1.5},
+    "stall_suspected": {"rank": 0, "last_step": 2, "stalled_s": 6.0},
+    "health_report": {"rank": 0, "ok": False, "detail": "ecc"},
+    "spare_activated": {"spare_id": 0, "rank": 0, "pid": 2001},
+    "replacement_spawned": {"rank": 0, "pid": 3001},
+    "rank_regrouped": {"rank": 0, "committed_step": 3, "pid": 1001},
+    "state_transferred": {"rank": 0, "donor": 1, "bytes": 4096, "ms": 3.0},
+    "rank_finished": {"rank": 0, "step": 9},
+    "job_finished": {"status": "completed"},
+    "engine_lease": {"engine_id": "e1", "expires_ts": T0 + 10},
+    "isolate_rank": {"caused_by": 7, "rank": 0, "pid": 1001, "reason": "exited"},
+    "assign_spare": {"caused_by": 7, "rank": 0, "spare_id": 0},
+    "spawn_replacement": {"caused_by": 7, "rank": 0},
+    "regroup_planned": {"caused_by": 7, "members": [0, 1], "replaced": [0]},
+    "resume_planned": {"caused_by": 9, "resume_step": 3, "donors": {0: 1}, "recipients": [0]},
+    "fallback_to_checkpoint": {"caused_by": 9, "reason": "no replica", "shards": [0]},
+    "incident_closed": {
+        "caused_by": 12,
+        "failed_rank": 0,
+        "rto_s": 0.3,
+        "rpo_steps": 0,
+        "recomputed_steps": 1,
+        "phases": {"detected": 0.0, "isolated": 0.01},
+    },
+}
+
+
+def type_name(cls: type[Envelope]) -> str:
+    name: str = cls.model_fields["type"].default
+    return name
+
+
+TYPES_BY_NAME: dict[str, type[Envelope]] = {type_name(cls): cls for cls in RECORD_TYPES}
+
+
+def make(cls: type[Envelope], **overrides: Any) -> Envelope:
+    """A valid record of ``cls`` with fixed envelope values; ``overrides`` replace any field."""
+    fields: dict[str, Any] = {
+        "record_id": "r-1",
+        "job_id": JOB,
+        "generation": 0,
+        "source": "test",
+        "ts": T0,
+        **SAMPLE_FIELDS[type_name(cls)],
+        **overrides,
+    }
+    return cls(**fields)
+
+
+def valid_records(
+    types: list[type[Envelope]], world_size: int, pids: list[int]
+) -> st.SearchStrategy[Envelope]:
+    """Valid records of the given types whose ids, generations and pids are drawn near the
+    values a job of ``world_size`` uses (sometimes just outside it, to exercise rejection)."""
+    small = st.integers(min_value=0, max_value=3)
+    step = st.integers(min_value=-1, max_value=8)
+    fields: dict[str, st.SearchStrategy[Any]] = {
+        "job_id": st.sampled_from([JOB, JOB, JOB, "other-job"]),
+        "generation": small,
+        "ts": st.floats(min_value=T0, max_value=T0 + 60, allow_nan=False),
+        "rank": st.integers(min_value=0, max_value=world_size),
+        "donor": st.integers(min_value=0, max_value=world_size),
+        "pid": st.sampled_from(pids) | st.integers(min_value=1, max_value=5000),
+        "spare_id": small,
+        "step": st.integers(min_value=0, max_value=8),
+        "committed_step": step,
+        "last_step": step,
+        "shard": st.integers(min_value=0, max_value=1),
+        "ok": st.booleans(),
+        "status": st.sampled_from(["completed", "failed"]),
+        "exit_code": st.none() | st.integers(min_value=-1, max_value=2),
+        "signal": st.none() | st.sampled_from([9, 15]),
+        "last_seen_ts": st.floats(min_value=T0 - 10, max_value=T0 + 60, allow_nan=False),
+        "silent_s": st.floats(min_value=0, max_value=30, allow_nan=False),
+        "stalled_s": st.floats(min_value=0, max_value=30, allow_nan=False),
+        "duration_s": st.floats(min_value=0, max_value=5, allow_nan=False),
+    }
+
+    def of(cls: type[Envelope]) -> st.SearchStrategy[Envelope]:
+        drawn = {name: s for name, s in fields.items() if name in cls.model_fields}
+        return st.builds(make, st.just(cls), **drawn)
+
+    return st.sampled_from(types).flatmap(of)
+
+
+def feed(state: EngineState, records: Iterable[Envelope], first_position: int) -> list[Decision]:
+    """Decide each record at consecutive positions; returns every decision made."""
+    out: list[Decision] = []
+    for position, record in enumerate(records, start=first_position):
+        out.extend(decide(state, position, record))
+    return out
+
+
+def running_job(world: SimulatedWorld, steps: int = 0) -> EngineState:
+    """An engine state that has seen the world start (every rank joined) and train ``steps``."""
+    state = EngineState(world.job_id)
+    records = [*world.start(), *world.train(steps)]
+    assert feed(state, records, 0) == []
+    assert state.job.state == "running" and not state.rejected
+    return state
