@@ -92,8 +92,9 @@ def print_rows(
         sys.stdout.flush()
         return
     table = Table(box=None, pad_edge=False)
-    for column in ("time", "job", "stream", "pos", "gen", "source", "type", "rank", "details"):
-        table.add_column(column, overflow="fold")
+    for column in ("time", "job", "stream", "pos", "gen", "source", "type", "rank"):
+        table.add_column(column, no_wrap=True)
+    table.add_column("details", overflow="fold", ratio=1)
     for job_id, stream, entry in rows:
         record = entry.record
         when = (
@@ -140,7 +141,8 @@ def _batches(
 
 
 def run(args: argparse.Namespace) -> int:
-    console = Console()
+    # Piped into a file or a pager, a wide table beats one folded to 80 columns.
+    console = Console() if sys.stdout.isatty() else Console(width=220)
     try:
         with open_log(args.log) as log:
             if args.job and args.job not in log.jobs():

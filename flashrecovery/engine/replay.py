@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}")
         return 2
     if args.json:
-        print(json.dumps(report.to_json(), indent=2, sort_keys=True))
+        print(json.dumps(report.to_json(), indent=2))
     else:
         print_replay(report)
     return 0 if report.ok else 1

@@ -1,0 +1,202 @@
+"""`flashrecovery events | replay | engine` on the log the scripted example writes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flashrecovery.cli import main
+from flashrecovery.connectors import open_log
+from flashrecovery.records import Stream
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = "scripted"
+
+
+@pytest.fixture(scope="module")
+def scripted_log(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The log written by examples/scripted_scenario.py, run as a user would."""
+    db = tmp_path_factory.mktemp("scripted") / "log.db"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "scripted_scenario.py"), str(db)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert "flashrecovery replay" in done.stdout
+    return f"sqlite:///{db}"
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_events_json_lines_cover_both_streams(
+    capsys: pytest.CaptureFixture[str], scripted_log: str
+) -> None:
+    code, out, _ = run_cli(capsys, "events", "--log", scripted_log, "--job", JOB, "--json")
+    assert code == 0
+    rows = [json.loads(line) for line in out.splitlines()]
+    with open_log(scripted_log) as log:
+        total = sum(len(log.read(s, JOB)) for s in Stream)
+    assert len(rows) == total
+    types = [r["type"] for r in rows]
+    assert types.index("rank_exited") < types.index("isolate_rank") < types.index("resume_planned")
+    assert {r["stream"] for r in rows} == {"events", "decisions"}
+
+
+def test_events_filters(capsys: pytest.CaptureFixture[str], scripted_log: str) -> None:
+    code, out, _ = run_cli(
+        capsys,
+        "events",
+        "--log",
+        scripted_log,
+        "--job",
+        JOB,
+        "--rank",
+        "2",
+        "--type",
+        "isolate_rank",
+        "--json",
+    )
+    assert code == 0
+    [row] = [json.loads(line) for line in out.splitlines()]
+    assert row["type"] == "isolate_rank" and row["rank"] == 2
+    code, out, _ = run_cli(
+        capsys,
+        "events",
+        "--log",
+        scripted_log,
+        "--job",
+        JOB,
+        "--since",
+        str(row["caused_by"]),
+        "--stream",
+        "events",
+        "--json",
+    )
+    positions = [json.loads(line)["position"] for line in out.splitlines()]
+    assert positions and min(positions) == row["caused_by"]
+
+
+def test_events_table_is_readable(capsys: pytest.CaptureFixture[str], scripted_log: str) -> None:
+    code, out, _ = run_cli(
+        capsys, "events", "--log", scripted_log, "--job", JOB, "--type", "incident_closed"
+    )
+    assert code == 0
+    assert "incident_closed" in out and "rto_s" in out
+
+
+def test_replay_json_reports_the_incident(
+    capsys: pytest.CaptureFixture[str], scripted_log: str
+) -> None:
+    code, out, _ = run_cli(capsys, "replay", "--log", scripted_log, "--job", JOB, "--json")
+    assert code == 0
+    report = json.loads(out)
+    assert report["ok"] and report["job_state"] == "completed"
+    [incident] = report["incidents"]
+    assert incident["state"] == "closed" and incident["failed_rank"] == 2
+    assert list(incident["phases_s"]) == [
+        "detected",
+        "isolated",
+        "replacement_ready",
+        "regrouped",
+        "restored",
+        "resumed",
+    ]
+    assert (
+        incident["rpo_steps"] == 0 and incident["recomputed_steps"] == 1 and incident["rto_s"] > 0
+    )
+
+
+def test_replay_table_and_until(capsys: pytest.CaptureFixture[str], scripted_log: str) -> None:
+    code, out, _ = run_cli(capsys, "replay", "--log", scripted_log, "--job", JOB)
+    assert code == 0 and "replay OK" in out and "RTO" in out
+    with open_log(scripted_log) as log:
+        isolate = next(
+            e.record
+            for e in log.read(Stream.DECISIONS, JOB)
+            if e.record and e.record.type == "isolate_rank"
+        )
+    code, out, _ = run_cli(
+        capsys,
+        "replay",
+        "--log",
+        scripted_log,
+        "--job",
+        JOB,
+        "--until",
+        str(isolate.caused_by),
+        "--json",
+    )  # type: ignore[union-attr]
+    report = json.loads(out)
+    assert code == 0 and report["job_state"] == "regrouping" and report["ranks"]["2"] == "isolated"
+
+
+def test_replay_of_a_doctored_sqlite_log_fails_at_the_edit(
+    capsys: pytest.CaptureFixture[str], scripted_log: str, tmp_path: Path
+) -> None:
+    doctored = tmp_path / "doctored.db"
+    shutil.copy(scripted_log.removeprefix("sqlite:///"), doctored)
+    with open_log(f"sqlite:///{doctored}") as log:
+        entry = next(
+            e
+            for e in log.read(Stream.DECISIONS, JOB)
+            if e.record and e.record.type == "assign_spare"
+        )
+    edited = entry.raw.replace(b'"spare_id":0', b'"spare_id":7')
+    assert edited != entry.raw
+    with sqlite3.connect(doctored) as db:
+        tables = [r[0] for r in db.execute("select name from sqlite_master where type='table'")]
+        table = next(t for t in tables if "decision" in t)
+        columns = [r[1] for r in db.execute(f"pragma table_info({table})")]
+        value_column = next(c for c in columns if c in ("raw", "value", "record", "data", "body"))
+        db.execute(
+            f"update {table} set {value_column} = ? where {value_column} = ?", (edited, entry.raw)
+        )
+    code, out, _ = run_cli(
+        capsys, "replay", "--log", f"sqlite:///{doctored}", "--job", JOB, "--json"
+    )
+    report = json.loads(out)
+    assert code == 1 and not report["ok"]
+    assert report["divergence"]["recorded"]["spare_id"] == 7
+    assert report["divergence"]["replayed"]["spare_id"] == 0
+    assert report["divergence"]["position"] == entry.record.caused_by  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["events", "--log", "nosuchscheme://x"], "unknown scheme"),
+        (["events", "--log", "not a url"], "malformed"),
+        (["replay", "--log", "memory://", "--job", "nope"], "no records"),
+    ],
+)
+def test_bad_input_is_a_clear_error(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2
+    assert message in out + err
+
+
+def test_console_script_is_installed(scripted_log: str) -> None:
+    exe = shutil.which("flashrecovery")
+    assert exe is not None
+    done = subprocess.run(
+        [exe, "replay", "--log", scripted_log, "--job", JOB, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["ok"]
