@@ -333,12 +333,12 @@ def parse_record(data: bytes | str | dict[str, Any], stream: Stream | None = Non
     if isinstance(data, bytes | str):
         try:
             data = json.loads(data)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except (ValueError, RecursionError) as exc:  # also bad UTF-8, huge ints, deep nesting
             raise RecordError(f"<record>: not JSON ({exc})") from None
     if not isinstance(data, dict):
         raise RecordError(f"<record>: expected a JSON object, got {type(data).__name__}")
     version = data.get("schema_version")
-    if version != SCHEMA_VERSION:
+    if type(version) is not int or version != SCHEMA_VERSION:  # true == 1.0 == 1 in Python
         raise RecordError(
             f"schema_version: unsupported value {version!r} (this build reads {SCHEMA_VERSION})"
         )
