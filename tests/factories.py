@@ -101,7 +101,7 @@ def valid_records(
         "shard": st.integers(min_value=0, max_value=1),
         "ok": st.booleans(),
         "status": st.sampled_from(["completed", "failed"]),
-        "exit_code": st.none() | st.integers(min_value=-1, max_value=2),
+        "exit_code": st.integers(min_value=-1, max_value=2),
         "signal": st.none() | st.sampled_from([9, 15]),
         "last_seen_ts": st.floats(min_value=T0 - 10, max_value=T0 + 60, allow_nan=False),
         "silent_s": st.floats(min_value=0, max_value=30, allow_nan=False),
