@@ -2,13 +2,17 @@
 
 On start it rebuilds its state from the whole log and writes only the decisions that are not
 there yet (they have deterministic ids), so a restarted engine finishes an open incident with
-exactly the decisions the old one would have written.
+exactly the decisions the old one would have written. With a lease TTL it shares the job with
+other engines: only the lease holder writes decisions and runs detectors (engine/lease.py).
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable
 
 import structlog
@@ -17,8 +21,9 @@ from flashrecovery.connectors import open_log
 from flashrecovery.connectors.base import Entry, LogConnector
 from flashrecovery.engine import detectors
 from flashrecovery.engine.decide import ingest
+from flashrecovery.engine.lease import LeaseBook
 from flashrecovery.engine.state import EngineState
-from flashrecovery.records import Envelope, Stream
+from flashrecovery.records import Decision, EngineLease, Envelope, Stream
 
 log = structlog.get_logger("flashrecovery.engine")
 
@@ -33,6 +38,8 @@ class EngineLoop:
         *,
         poll_s: float = 0.05,
         clock: Callable[[], float] = time.time,
+        lease_ttl_s: float | None = None,
+        engine_id: str | None = None,
     ) -> None:
         self.log = open_log(log_or_url) if isinstance(log_or_url, str) else log_or_url
         self._owns_log = isinstance(log_or_url, str)
@@ -40,6 +47,11 @@ class EngineLoop:
         self.poll_s = poll_s
         self.clock = clock
         self.state = EngineState(job_id)
+        self.lease_ttl_s = lease_ttl_s
+        self.engine_id = engine_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self.leases = LeaseBook()
+        self._leading = False
+        self._due: list[Decision] = []  # decided, not yet written (a standby keeps them)
         self._written: set[str] = set()
         self._reported: set[tuple[str, int, int, int | None]] = set()
         self._next = 0
@@ -55,33 +67,74 @@ class EngineLoop:
     # -------------------------------------------------------------- one step at a time
 
     def catch_up(self) -> None:
-        """Learn which decisions are already in the log, then apply every event so far."""
-        self._written = {
-            e.record.record_id
-            for e in self.log.read(Stream.DECISIONS, self.job_id)
-            if e.record is not None
-        }
+        """Apply every event so far, then write the decisions not in the log yet."""
         self.apply(self.log.read(Stream.EVENTS, self.job_id, self._next))
 
+    def is_leader(self) -> bool:
+        return self.lease_ttl_s is None or self.leases.holder(self.clock()) == self.engine_id
+
     def apply(self, entries: list[Entry]) -> int:
-        """Decide on each entry and append the decisions not yet written."""
+        """Decide on each entry; the leader appends the decisions not yet written."""
         for entry in entries:
-            for decision in ingest(self.state, entry):
-                if decision.record_id in self._written:
-                    continue
-                self.log.append(Stream.DECISIONS, decision)
-                self._written.add(decision.record_id)
-                log.info(
-                    "decision",
-                    type=decision.type,
-                    caused_by=entry.position,
-                    generation=decision.generation,
-                )
+            if isinstance(entry.record, EngineLease):
+                self.leases.observe(entry.record)
+            self._due.extend(ingest(self.state, entry))
             self._next = entry.position + 1
+        self._flush()
         return len(entries)
+
+    def _flush(self) -> None:
+        if not self.is_leader():
+            self._leading = False
+            return
+        if not self._leading:  # starting, or taking over: learn what is written already
+            self._written = {
+                e.record.record_id
+                for e in self.log.read(Stream.DECISIONS, self.job_id)
+                if e.record is not None
+            }
+            self._leading = True
+        for decision in self._due:
+            if decision.record_id in self._written or not self.is_leader():
+                continue
+            self.log.append(Stream.DECISIONS, decision)
+            self._written.add(decision.record_id)
+            log.info(
+                "decision",
+                type=decision.type,
+                caused_by=decision.caused_by,
+                generation=decision.generation,
+            )
+        self._due = []
+
+    def claim(self) -> None:
+        """Ask for the lease when nobody holds it, renew it when ours runs low."""
+        if self.lease_ttl_s is None:
+            return
+        now = self.clock()
+        holder, current = self.leases.holder(now), self.leases.current
+        running_low = (
+            holder == self.engine_id
+            and current is not None
+            and current.expires_ts - now < self.lease_ttl_s * 2 / 3
+        )
+        if holder is None or running_low:
+            self.log.append(
+                Stream.EVENTS,
+                EngineLease(
+                    job_id=self.job_id,
+                    generation=self.state.generation,
+                    source=f"engine:{self.engine_id}",
+                    ts=now,
+                    engine_id=self.engine_id,
+                    expires_ts=now + self.lease_ttl_s,
+                ),
+            )
 
     def detect(self) -> list[Envelope]:
         """Run the time-based detectors and append what they find, once per finding."""
+        if not self.is_leader():
+            return []
         now = self.clock()
         found: list[Envelope] = []
         for record in [
@@ -99,8 +152,11 @@ class EngineLoop:
         return found
 
     def step(self, timeout: float) -> int:
+        self.claim()
         entries = self.log.follow(Stream.EVENTS, self.job_id, self._next, timeout)
         count = self.apply(entries)
+        if not entries:
+            self._flush()  # a standby whose predecessor's lease just ran out takes over here
         self.detect()
         return count
 

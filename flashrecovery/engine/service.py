@@ -1,7 +1,9 @@
 """Run the engine for a job as a service, apart from the agent.
 
 `flashrecovery engine --log URL --job ID`: rebuilds the job's state from the log, writes the
-decisions still due, then follows the events until the job ends.
+decisions still due, then follows the events until the job ends. Several engines may serve one
+job: they share it through a lease recorded in the log (engine/lease.py), so only one decides at
+a time and a standby takes over within the lease TTL when the active one dies.
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log", required=True, help="log URL")
     parser.add_argument("--job", required=True, help="job id")
     parser.add_argument("--poll", type=float, default=0.05, help="longest wait per follow (s)")
+    parser.add_argument(
+        "--lease-ttl", type=float, default=3.0, help="seconds a lease lasts without renewal"
+    )
+    parser.add_argument("--engine-id", help="name of this engine in the lease records")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -26,7 +32,13 @@ def run(args: argparse.Namespace) -> int:
     except LogError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    loop = EngineLoop(log, args.job, poll_s=args.poll)
+    if args.lease_ttl <= 0:
+        print("error: --lease-ttl must be positive", file=sys.stderr)
+        return 2
+    loop = EngineLoop(
+        log, args.job, poll_s=args.poll, lease_ttl_s=args.lease_ttl, engine_id=args.engine_id
+    )
+    print(f"engine {loop.engine_id} serving job {args.job} on {args.log}", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: loop.stop(timeout=0))
     try:
         loop.run()

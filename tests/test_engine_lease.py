@@ -1,0 +1,99 @@
+"""Two engines on one log: only the lease holder decides; the standby takes over, no duplicate."""
+
+from __future__ import annotations
+
+from flashrecovery.connectors.memory import MemoryLog
+from flashrecovery.engine.lease import LeaseBook
+from flashrecovery.engine.loop import EngineLoop
+from flashrecovery.engine.replay import replay_job
+from flashrecovery.engine.simulation import SimulatedWorld, scripted_failure
+from flashrecovery.records import Decision, EngineLease, Envelope, Stream
+
+JOB = "leased"
+TTL = 1.0  # below the 3 x 0.5 s heartbeat limit, so no detector fires on the jump
+
+
+def lease(engine: str, ts: float, ttl: float = TTL) -> EngineLease:
+    return EngineLease(
+        job_id=JOB,
+        generation=0,
+        source=f"engine:{engine}",
+        ts=ts,
+        engine_id=engine,
+        expires_ts=ts + ttl,
+    )
+
+
+def test_lease_book_grants_in_log_order() -> None:
+    book = LeaseBook()
+    assert book.observe(lease("a", 10.0, ttl=2))
+    assert not book.observe(lease("b", 11.0, ttl=2))  # a holds it until 12
+    assert book.observe(lease("a", 11.5, ttl=2))  # renewal
+    assert book.holder(12.0) == "a" and book.holder(13.5) is None
+    assert book.observe(lease("b", 13.6, ttl=2))  # a's lease ran out: takeover
+    assert book.holder(14.0) == "b"
+
+
+def settle(engines: list[EngineLoop]) -> None:
+    """Let each engine read everything there is (no waiting)."""
+    for _ in range(3):
+        for engine in engines:
+            engine.step(0)
+
+
+def types(decisions: list[Decision]) -> list[str]:
+    return [d.type for d in decisions]
+
+
+def essentials(log: MemoryLog) -> list[tuple[str, dict[str, object]]]:
+    drop = {"record_id", "caused_by", "ts", "source", "rto_s", "phases"}  # time moved on
+    return [
+        (e.record.type, e.record.model_dump(exclude=drop))
+        for e in log.read(Stream.DECISIONS, JOB)
+        if e.record
+    ]
+
+
+def append_all(log: MemoryLog, records: list[Envelope]) -> None:
+    for record in records:
+        log.append(Stream.EVENTS, record)
+
+
+def test_standby_takes_over_mid_incident_without_duplicates() -> None:
+    reference = MemoryLog()
+    scripted_failure(reference, JOB)
+
+    log = MemoryLog()
+    world = SimulatedWorld(JOB)
+
+    def clock() -> float:
+        return world.clock  # the engines live on the scripted world's time
+
+    active = EngineLoop(log, JOB, clock=clock, lease_ttl_s=TTL, engine_id="active")
+    standby = EngineLoop(log, JOB, clock=clock, lease_ttl_s=TTL, engine_id="standby")
+    active.step(0)  # claims first
+    settle([active, standby])
+    assert active.is_leader() and not standby.is_leader()
+
+    append_all(log, [*world.start(), *world.train(3), world.kill(2)])
+    settle([active, standby])
+    written = [e.record for e in log.read(Stream.DECISIONS, JOB)]
+    assert types(written) == ["isolate_rank", "assign_spare", "regroup_planned"]  # type: ignore[arg-type]
+
+    # The active engine dies here (it is never stepped again); the ranks answer the regroup.
+    append_all(log, [r for d in written for r in world.react(d)])  # type: ignore[arg-type]
+    standby.step(0)
+    assert len(log.read(Stream.DECISIONS, JOB)) == 3  # the standby does not act on a live lease
+    world.clock += TTL + 0.1
+    settle([standby])
+    assert standby.is_leader()
+    new = [e.record for e in log.read(Stream.DECISIONS, JOB)][3:]
+    assert types(new) == ["resume_planned"]  # type: ignore[arg-type]
+    append_all(log, [r for d in new for r in world.react(d)])  # type: ignore[arg-type]
+    append_all(log, [*world.train(2), *world.finish()])
+    settle([standby])
+
+    ids = [e.record.record_id for e in log.read(Stream.DECISIONS, JOB) if e.record]
+    assert len(ids) == len(set(ids))
+    assert essentials(log) == essentials(reference)
+    assert replay_job(log, JOB).ok
