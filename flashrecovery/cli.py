@@ -14,7 +14,7 @@ from types import ModuleType
 COMMANDS: dict[str, str] = {
     "run": "flashrecovery.agent.launcher",
     "engine": "flashrecovery.engine.service",
-    "demo": "flashrecovery.demo",
+    "demo": "flashrecovery.demo.cli",
     "events": "flashrecovery.inspect",
     "replay": "flashrecovery.engine.replay",
     "diagram": "flashrecovery.statemachines.diagram",

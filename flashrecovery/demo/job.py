@@ -1,0 +1,143 @@
+"""Launch the demo's training job under `flashrecovery run` and own everything it starts.
+
+The demo and the benchmarks drive the agent through its command line, exactly as a user would,
+in a session of its own so the whole process tree can be found (psutil) and ended by pid when
+the run is over or the caller gives up. Nothing outside that tree is ever signalled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+import psutil
+
+from flashrecovery.demo import train
+
+TRAIN_SCRIPT = Path(train.__file__).resolve()
+STOP_GRACE_S = 5.0
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    job_id: str
+    log_url: str
+    run_dir: Path  # the ranks' result files and the agent's output go here
+    nproc: int
+    spares: int
+    steps: int
+    seed: int = 0
+    min_step_s: float = 0.0
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "flashrecovery.cli",
+            "run",
+            "--nproc-per-node",
+            str(self.nproc),
+            "--spares",
+            str(self.spares),
+            "--log",
+            self.log_url,
+            "--job-id",
+            self.job_id,
+            str(TRAIN_SCRIPT),
+            "--steps",
+            str(self.steps),
+            "--run-dir",
+            str(self.run_dir),
+            "--seed",
+            str(self.seed),
+            "--min-step-s",
+            str(self.min_step_s),
+        ]
+
+    @property
+    def agent_output(self) -> Path:
+        return self.run_dir / "agent.out"
+
+
+class LaunchedJob:
+    """A running `flashrecovery run` and its descendants; a context manager that ends them."""
+
+    def __init__(self, spec: JobSpec) -> None:
+        self.spec = spec
+        spec.run_dir.mkdir(parents=True, exist_ok=True)
+        with spec.agent_output.open("wb") as out:
+            self._proc = subprocess.Popen(
+                spec.command(),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.started = time.time()
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def poll(self) -> int | None:
+        return self._proc.poll()
+
+    def descendants(self) -> dict[int, psutil.Process]:
+        try:
+            children = psutil.Process(self.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return {}
+        return {p.pid: p for p in children}
+
+    def kill_descendant(self, pid: int) -> bool:
+        """SIGKILL one process of this job; False if it is not (or no longer) ours."""
+        process = self.descendants().get(pid)
+        if process is None:
+            return False
+        try:
+            process.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            return False
+        return True
+
+    def output_tail(self, lines: int = 20) -> str:
+        try:
+            text = self.spec.agent_output.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self) -> int | None:
+        """End the agent (SIGTERM, SIGKILL after a grace) and then whatever it left behind."""
+        tree = self.descendants()
+        if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(STOP_GRACE_S)
+        if self._proc.poll() is None:
+            tree.update(self.descendants())
+            self._proc.kill()
+            self._proc.wait(STOP_GRACE_S)
+        left = [p for p in tree.values() if p.is_running()]
+        for process in left:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        psutil.wait_procs(left, timeout=STOP_GRACE_S)
+        return self._proc.returncode
+
+    def __enter__(self) -> LaunchedJob:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

@@ -1,0 +1,222 @@
+"""What a demo run proves, computed after the fact from the log, the ranks' result files and
+the kills the demo sent: detection time, RTO and its phases, steps lost and recomputed, whether
+survivors kept their processes, whether the loss curve is continuous, whether the replay
+reproduces every decision, and (with a reference run) whether the parameters are bitwise equal.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict
+from typing import Any
+
+from flashrecovery.connectors.base import LogConnector
+from flashrecovery.demo.job import JobSpec
+from flashrecovery.demo.results import read_results
+from flashrecovery.demo.watch import Kill
+from flashrecovery.engine.replay import replay_job
+from flashrecovery.records import (
+    AssignSpare,
+    IncidentClosed,
+    RankJoined,
+    SpawnReplacement,
+    StepCompleted,
+    Stream,
+)
+
+SPARK = "▁▂▃▄▅▆▇█"
+StepLosses = dict[int, list[tuple[int, float | None]]]  # rank -> committed (step, loss), in order
+
+
+def step_losses(log: LogConnector, job_id: str) -> StepLosses:
+    """Each rank id's committed steps in log order, across every process that held it."""
+    out: StepLosses = {}
+    for entry in log.read(Stream.EVENTS, job_id):
+        if isinstance(entry.record, StepCompleted):
+            out.setdefault(entry.record.rank, []).append((entry.record.step, entry.record.loss))
+    return out
+
+
+def loss_curve(per_rank: StepLosses, world_size: int, steps: int) -> dict[str, Any]:
+    """Continuous means every rank committed every step exactly once: no gap, no duplicate.
+    The curve is the mean over ranks of each step's loss."""
+    gaps: dict[int, list[int]] = {}
+    duplicates: dict[int, list[int]] = {}
+    for rank in range(world_size):
+        seen = [step for step, _ in per_rank.get(rank, [])]
+        if missing := sorted(set(range(steps)) - set(seen)):
+            gaps[rank] = missing
+        if repeated := sorted({s for s in seen if seen.count(s) > 1}):
+            duplicates[rank] = repeated
+    by_step: dict[int, list[float]] = {}
+    for committed in per_rank.values():
+        for step, loss in committed:
+            if loss is not None:
+                by_step.setdefault(step, []).append(loss)
+    mean = [round(statistics.fmean(by_step[s]), 6) for s in sorted(by_step)]
+    return {
+        "continuous": not gaps and not duplicates,
+        "gaps": gaps,
+        "duplicates": duplicates,
+        "mean_loss": mean,
+        "sparkline": sparkline(mean),
+    }
+
+
+def sparkline(values: list[float]) -> str:
+    if not values:
+        return ""
+    low, high = min(values), max(values)
+    span = (high - low) or 1.0
+    return "".join(SPARK[round((v - low) / span * (len(SPARK) - 1))] for v in values)
+
+
+def _joined_pids(log: LogConnector, job_id: str) -> dict[int, int]:
+    return {
+        e.record.rank: e.record.pid
+        for e in log.read(Stream.EVENTS, job_id)
+        if isinstance(e.record, RankJoined)
+    }
+
+
+def _replacements(log: LogConnector, job_id: str) -> dict[str, str]:
+    """incident id -> how its rank was replaced."""
+    out: dict[str, str] = {}
+    for entry in log.read(Stream.DECISIONS, job_id):
+        record = entry.record
+        if isinstance(record, AssignSpare) and record.incident_id:
+            out[record.incident_id] = f"hot spare {record.spare_id}"
+        elif isinstance(record, SpawnReplacement) and record.incident_id:
+            out[record.incident_id] = "fresh process"
+    return out
+
+
+def incidents(log: LogConnector, job_id: str, kills: list[Kill]) -> dict[str, Any]:
+    """Each incident with its timings, matched in order to the kill that caused it, and the
+    replay verdict."""
+    report = replay_job(log, job_id)
+    closures = {d.incident_id: d for d in report.recorded_closures if isinstance(d, IncidentClosed)}
+    replaced = _replacements(log, job_id)
+    unmatched = [k for k in kills if k.outcome == "killed"]
+    rows = []
+    for incident, row in zip(report.state.incidents, report.incidents(), strict=True):
+        kill = next((k for k in unmatched if k.rank == incident.failed_rank), None)
+        if kill is not None:
+            unmatched.remove(kill)
+        close = closures.get(incident.incident_id)
+        kill_ts = kill.ts if kill is not None else None
+        rows.append(
+            {
+                "incident_id": incident.incident_id,
+                "failed_rank": incident.failed_rank,
+                "reason": incident.reason,
+                "state": row["state"],
+                "replacement": replaced.get(incident.incident_id),
+                "killed_pid": kill.pid if kill is not None else None,
+                "detection_s": _since(kill_ts, incident.detected.ts),
+                "rto_s": row["rto_s"],
+                "rto_from_kill_s": _since(kill_ts, close.ts if close else None),
+                "phases_s": row["phases_s"],
+                "resume_step": row["resume_step"],
+                "committed_steps_lost": row["rpo_steps"],
+                "steps_recomputed": row["recomputed_steps"],
+            }
+        )
+    data = report.to_json()
+    return {
+        "incidents": rows,
+        "replay": {
+            key: data[key]
+            for key in ("ok", "events", "decisions_checked", "divergence", "job_state")
+        },
+    }
+
+
+def _since(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else round(end - start, 6)
+
+
+def summarize(
+    log: LogConnector,
+    spec: JobSpec,
+    kills: list[Kill],
+    returncode: int | None,
+    reference: JobSpec | None = None,
+) -> dict[str, Any]:
+    """The demo's verdict as plain JSON; ``ok`` is true only when every check holds."""
+    found = incidents(log, spec.job_id, kills)
+    results = read_results(spec.run_dir, spec.nproc)
+    joined = _joined_pids(log, spec.job_id)
+    killed_ranks = {k.rank for k in kills if k.outcome == "killed"}
+    pids = {
+        rank: {"joined": joined.get(rank), "final": results[rank].pid if rank in results else None}
+        for rank in range(spec.nproc)
+    }
+    survivors = [r for r in range(spec.nproc) if r not in killed_ranks]
+    per_rank = step_losses(log, spec.job_id)
+    rows = found["incidents"]
+    summary: dict[str, Any] = {
+        "job_id": spec.job_id,
+        "log": spec.log_url,
+        "run_dir": str(spec.run_dir),
+        "world_size": spec.nproc,
+        "spares": spec.spares,
+        "steps": spec.steps,
+        "seed": spec.seed,
+        "completed": returncode == 0 and len(results) == spec.nproc,
+        "agent_returncode": returncode,
+        "kills": [asdict(k) for k in kills],
+        **found,
+        "committed_steps_lost": sum(r["committed_steps_lost"] or 0 for r in rows),
+        "steps_recomputed": sum(r["steps_recomputed"] or 0 for r in rows),
+        "pids": pids,
+        "survivor_pids_unchanged": all(
+            pids[r]["joined"] is not None and pids[r]["joined"] == pids[r]["final"]
+            for r in survivors
+        ),
+        "loss_curve": loss_curve(per_rank, spec.nproc, spec.steps),
+        "verify": None if reference is None else verify(log, spec, reference, per_rank),
+        "commands": {
+            "events": f"flashrecovery events --log {spec.log_url} --job {spec.job_id}",
+            "replay": f"flashrecovery replay --log {spec.log_url} --job {spec.job_id}",
+        },
+    }
+    summary["ok"] = (
+        summary["completed"]
+        and found["replay"]["ok"]
+        and all(k.outcome == "killed" for k in kills)
+        and len(rows) == len(kills)
+        and all(r["state"] == "closed" for r in rows)
+        and summary["committed_steps_lost"] == 0
+        and summary["survivor_pids_unchanged"]
+        and summary["loss_curve"]["continuous"]
+        and (reference is None or summary["verify"]["bitwise_equal"])
+    )
+    return summary
+
+
+def verify(
+    log: LogConnector, spec: JobSpec, reference: JobSpec, per_rank: StepLosses
+) -> dict[str, Any]:
+    """Bitwise comparison with a fault-free run of the same seed: every rank's final
+    parameters, and every committed step's loss."""
+    ours = {r: res.params_sha256 for r, res in read_results(spec.run_dir, spec.nproc).items()}
+    theirs = {
+        r: res.params_sha256 for r, res in read_results(reference.run_dir, reference.nproc).items()
+    }
+    ranks_equal = len(ours) == spec.nproc and len(set(ours.values())) == 1
+    equal_to_reference = ranks_equal and len(theirs) == reference.nproc and ours == theirs
+    expected = step_losses(log, reference.job_id)
+    return {
+        "reference_job_id": reference.job_id,
+        "params_sha256": ours,
+        "reference_params_sha256": theirs,
+        "ranks_equal": ranks_equal,
+        "equal_to_reference": equal_to_reference,
+        "losses_equal": _final_losses(per_rank) == _final_losses(expected),
+        "bitwise_equal": ranks_equal and equal_to_reference,
+    }
+
+
+def _final_losses(per_rank: StepLosses) -> dict[tuple[int, int], float | None]:
+    return {(rank, step): loss for rank, rows in per_rank.items() for step, loss in rows}

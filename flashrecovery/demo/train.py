@@ -1,0 +1,92 @@
+"""The demo's training script, run by `flashrecovery run` in every rank and hot spare.
+
+A plain loop over the trainer hook: build the model, register it, train over the steps the
+session yields (after a recovery it resumes after the committed step), and leave the final
+parameters' digest, the losses and the step times in ``<run-dir>/rank<k>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from flashrecovery.demo.data import BLOCK_SIZE, batch_for, vocabulary
+from flashrecovery.demo.model import GPTConfig, TinyGPT, parameters_sha256
+from flashrecovery.demo.results import RankResult
+
+LEARNING_RATE = 1e-3
+
+
+def build(seed: int) -> tuple[TinyGPT, torch.optim.Optimizer]:
+    """The same model and optimizer in every process of every run with this seed."""
+    torch.set_num_threads(1)  # one thread: CPU kernels reduce in a fixed order, bitwise repeatable
+    torch.manual_seed(seed)
+    model = TinyGPT(GPTConfig(vocab_size=len(vocabulary()), block_size=BLOCK_SIZE))
+    return model, torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--run-dir", type=Path, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--min-step-s",
+        type=float,
+        default=0.0,
+        help="pad each step to this wall time (before the commit) so a human can watch",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from flashrecovery.trainer_hooks import init
+
+    session = init()
+    model, optimizer = build(args.seed)
+
+    def warmup() -> None:
+        x, y = batch_for(0, 0, session.world_size)
+        model.loss(x, y).backward()
+        model.zero_grad(set_to_none=True)
+
+    session.register(model, optimizer, warmup=warmup)
+    losses: dict[int, float] = {}
+    step_times: list[float] = []  # commit to commit: the hook's own work between steps counts
+    last = time.perf_counter()
+    for step in session.steps(args.steps):
+        started = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        x, y = batch_for(step, session.rank, session.world_size)
+        loss = model.loss(x, y)
+        loss.backward()
+        time.sleep(max(0.0, args.min_step_s - (time.perf_counter() - started)))
+        committed = session.commit(loss=loss.item())
+        now = time.perf_counter()
+        if committed:
+            losses[step] = loss.item()
+            step_times.append(now - last)
+        last = now
+    session.finish()
+    if session.is_spare:
+        return 0  # never assigned: holds no rank, has nothing to report
+    RankResult(
+        rank=session.rank,
+        pid=os.getpid(),
+        generation=session.generation,
+        steps=args.steps,
+        params_sha256=parameters_sha256(model),
+        losses=losses,
+        step_times_s=step_times,
+    ).write(args.run_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

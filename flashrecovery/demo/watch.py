@@ -1,0 +1,136 @@
+"""Follow a running job through its log, and kill ranks from outside when they reach a step.
+
+The watch rebuilds what the engine knows with the engine's own pure decide step (the same thing
+replay does), so pids, committed steps, generation, spares and incidents come from one source of
+truth: the log. The killer sends a real SIGKILL to the pid the log names for a rank, which is
+how a machine or process failure looks to everyone else.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from flashrecovery.connectors.base import LogConnector
+from flashrecovery.demo.job import LaunchedJob
+from flashrecovery.engine.decide import ingest
+from flashrecovery.engine.state import EngineState
+from flashrecovery.records import JobFinished, RankJoined, Stream
+
+
+class JobWatch:
+    """What the log says about one job so far; ``poll`` reads what is new."""
+
+    def __init__(self, log: LogConnector, job_id: str) -> None:
+        self.log = log
+        self.job_id = job_id
+        self.state = EngineState(job_id)
+        self.joined_pids: dict[int, int] = {}  # the generation-0 process of each rank
+        self.finished: JobFinished | None = None
+        self.last_record = ""
+        self._next = 0
+
+    def poll(self, timeout: float) -> int:
+        """Apply the events that arrive within ``timeout``; returns how many."""
+        entries = self.log.follow(Stream.EVENTS, self.job_id, self._next, timeout)
+        for entry in entries:
+            self._next = entry.position + 1
+            ingest(self.state, entry)
+            record = entry.record
+            if isinstance(record, RankJoined):
+                self.joined_pids[record.rank] = record.pid
+            elif isinstance(record, JobFinished):
+                self.finished = record
+            if record is not None and record.type not in ("heartbeat", "step_completed"):
+                self.last_record = f"{record.type} from {record.source}"
+        return len(entries)
+
+    def committed(self, rank: int | None = None) -> int:
+        """The highest step a rank (default: every rank) has committed; -1 before any."""
+        ranks = self.state.ranks
+        if rank is not None:
+            return ranks[rank].committed_step if rank in ranks else -1
+        return min((v.committed_step for v in ranks.values()), default=-1)
+
+    def pid_of(self, rank: int) -> int | None:
+        view = self.state.ranks.get(rank)
+        return None if view is None else view.pid
+
+    @property
+    def running(self) -> bool:
+        """Training in the current generation, with no recovery under way."""
+        return self.state.job.state == "running"
+
+    @property
+    def ready_spares(self) -> int:
+        return len(self.state.ready_spares())
+
+    @property
+    def incidents(self) -> tuple[int, int]:
+        """(opened, closed) incidents."""
+        closed = sum(i.machine.state == "closed" for i in self.state.incidents)
+        return len(self.state.incidents), closed
+
+
+@dataclass
+class Kill:
+    """Kill ``rank`` once it works on ``step`` (it has committed step - 1)."""
+
+    rank: int
+    step: int
+    pid: int | None = None
+    committed: int | None = None  # the rank's committed step when the signal went out
+    ts: float | None = None  # unix time of the SIGKILL
+    outcome: str = "pending"  # pending | killed | missed
+
+    @classmethod
+    def parse(cls, spec: str) -> Kill:
+        rank, sep, step = spec.partition("@")
+        if not sep or not rank.isdigit() or not step.isdigit():
+            raise ValueError(f"--kill {spec!r}: expected RANK@STEP, e.g. 1@3")
+        return cls(int(rank), int(step))
+
+    def describe(self) -> str:
+        if self.outcome == "pending":
+            return f"rank {self.rank} at step {self.step} (pending)"
+        if self.outcome == "missed":
+            return f"rank {self.rank} at step {self.step}: missed (process already gone)"
+        return f"rank {self.rank} (pid {self.pid}) during step {(self.committed or 0) + 1}"
+
+
+@dataclass
+class Killer:
+    """Carries out kills in order, one at a time, each once the job is running again.
+
+    With spares in the job it waits (up to ``spare_wait_s``) for a hot spare to be ready, so a
+    kill shows the hot-spare path rather than racing the spare's start-up.
+    """
+
+    job: LaunchedJob
+    plan: list[Kill] = field(default_factory=list)
+    spare_wait_s: float = 15.0
+    _due_since: float | None = None
+
+    @property
+    def pending(self) -> list[Kill]:
+        return [k for k in self.plan if k.outcome == "pending"]
+
+    def tick(self, watch: JobWatch) -> Kill | None:
+        """Fire the next kill if it is due now; returns it when it fired (or missed)."""
+        if not self.pending or not watch.running:
+            return None
+        kill = self.pending[0]
+        committed = watch.committed(kill.rank)
+        if committed < kill.step - 1:
+            return None
+        now = time.monotonic()
+        self._due_since = self._due_since or now
+        spare_due = self.job.spec.spares > 0 and now - self._due_since < self.spare_wait_s
+        if spare_due and watch.ready_spares == 0:
+            return None
+        self._due_since = None
+        kill.pid, kill.committed = watch.pid_of(kill.rank), committed
+        kill.ts = time.time()
+        killed = kill.pid is not None and self.job.kill_descendant(kill.pid)
+        kill.outcome = "killed" if killed else "missed"
+        return kill
