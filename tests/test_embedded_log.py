@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import sqlite3
 import threading
+from multiprocessing.synchronize import Barrier
 from pathlib import Path
 
 import pytest
@@ -60,6 +62,36 @@ def test_file_is_created_with_parents_in_wal_mode(tmp_path: Path) -> None:
         assert db.execute("SELECT count(*) FROM events").fetchone()[0] == 1
     finally:
         db.close()
+
+
+def _open_and_append(url: str, start: Barrier, step: int) -> None:
+    start.wait(30)
+    with open_log(url) as log:
+        log.append(Stream.EVENTS, heartbeat(step))
+
+
+def test_processes_creating_the_file_at_once_all_succeed(tmp_path: Path) -> None:
+    """The first opener switches the new file to WAL and creates the schema; the others wait."""
+    url = f"sqlite://{tmp_path}/new/run.db"
+    ctx = multiprocessing.get_context("spawn")
+    start = ctx.Barrier(4)
+    processes = [ctx.Process(target=_open_and_append, args=(url, start, i)) for i in range(4)]
+    for process in processes:
+        process.start()
+    try:
+        for process in processes:
+            process.join(30)
+            assert process.exitcode == 0
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
+    with open_log(url) as log:
+        steps = [
+            e.record.step for e in log.read(Stream.EVENTS, "job") if isinstance(e.record, Heartbeat)
+        ]
+        assert sorted(steps) == [0, 1, 2, 3]
 
 
 def test_a_file_that_is_not_a_database_is_a_log_error(tmp_path: Path) -> None:
