@@ -243,10 +243,14 @@ class KafkaLog(LogConnector):
         """Records (with this key, if given) from each start up to the current end; if none,
         wait until ``wait_until`` for one. LogError if reading makes no progress in timeout_s."""
         consumer = self._consumer
-        consumer.assign(list(starts))
+        if consumer.assignment() != set(starts):
+            consumer.assign(list(starts))
         ends: dict[TopicPartition, int] = consumer.end_offsets(list(starts))
         for tp, start in starts.items():
-            consumer.seek(tp, min(max(start, 0), ends[tp]))
+            # Re-seeking drops the fetch in flight: a follower that continues where it stopped
+            # would then wait out the broker's fetch_max_wait_ms.
+            if consumer.position(tp) != min(max(start, 0), ends[tp]):
+                consumer.seek(tp, min(max(start, 0), ends[tp]))
         found, progress_at = False, time.monotonic()
         while True:
             behind = any(consumer.position(tp) < ends[tp] for tp in starts)
