@@ -1,0 +1,7 @@
+"""The agent: `flashrecovery run`, one per node; starts ranks and hot spares and carries out
+the engine's decisions on them."""
+
+from flashrecovery.agent.config import AgentConfig, ConfigError
+from flashrecovery.agent.job import Agent
+
+__all__ = ["Agent", "AgentConfig", "ConfigError"]

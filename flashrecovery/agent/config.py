@@ -1,0 +1,75 @@
+"""What one `flashrecovery run` needs, checked before anything starts."""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from flashrecovery.connectors import LogError, open_log
+from flashrecovery.records import Stream
+from flashrecovery.trainer_hooks.faults import Fault
+
+_JOB_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
+
+
+class ConfigError(ValueError):
+    """A bad argument: said plainly, before any process starts."""
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    script: Path
+    script_args: list[str] = field(default_factory=list)
+    nproc: int = 1
+    spares: int = 0
+    log_url: str | None = None  # default: sqlite:///<cwd>/runs/<job-id>/log.db
+    job_id: str | None = None  # default: generated
+    heartbeat_interval_s: float = 1.0
+    faults: dict[int, str] = field(default_factory=dict)  # rank -> FLASHRECOVERY_FAULT (tests)
+    output_dir: Path | None = None  # each child's stdout+stderr in its own file; else inherited
+
+    def resolved(self) -> AgentConfig:
+        """The config with defaults filled in and every argument checked (ConfigError)."""
+        if not self.script.is_file():
+            raise ConfigError(f"script {str(self.script)!r} does not exist")
+        if self.nproc < 1:
+            raise ConfigError(f"--nproc-per-node must be at least 1, got {self.nproc}")
+        if self.spares < 0:
+            raise ConfigError(f"--spares must be 0 or more, got {self.spares}")
+        if not self.heartbeat_interval_s > 0:
+            raise ConfigError(
+                f"--heartbeat-interval must be positive, got {self.heartbeat_interval_s}"
+            )
+        job_id = self.job_id or f"job-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+        if not _JOB_ID.match(job_id):
+            raise ConfigError(f"job id {job_id!r} may hold only letters, digits, '_', '.', '-'")
+        for rank, spec in self.faults.items():
+            if not 0 <= rank < self.nproc:
+                raise ConfigError(f"fault for rank {rank}: outside 0..{self.nproc - 1}")
+            try:
+                Fault.parse(spec)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+        log_url = self.log_url or f"sqlite:///{Path.cwd() / 'runs' / job_id / 'log.db'}"
+        if urlsplit(log_url).scheme == "memory":
+            raise ConfigError("memory:// logs live in one process; the ranks need sqlite or kafka")
+        if self.log_url is None:
+            (Path.cwd() / "runs" / job_id).mkdir(parents=True, exist_ok=True)
+        _check_log(log_url, job_id)
+        return replace(self, script=self.script.resolve(), job_id=job_id, log_url=log_url)
+
+
+def _check_log(url: str, job_id: str) -> None:
+    """The log must be reachable, and the job id new in it (a job's records are its history)."""
+    try:
+        with open_log(url) as log:
+            if log.read(Stream.EVENTS, job_id, limit=1):
+                raise ConfigError(f"job id {job_id!r} already has records in {url}")
+    except LogError as exc:
+        raise ConfigError(str(exc)) from None
+    except ModuleNotFoundError as exc:
+        raise ConfigError(f"log URL {url!r} needs a backend that is not installed: {exc}") from None

@@ -1,0 +1,187 @@
+"""The agent of one job: hosts the store, runs the engine, starts the processes, carries out
+the decisions and ends the job with its status (docs/protocol.md)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from types import FrameType
+
+import torch.distributed as dist
+
+from flashrecovery.agent.actions import Actions
+from flashrecovery.agent.config import AgentConfig
+from flashrecovery.agent.supervisor import Child, Supervisor
+from flashrecovery.connectors import open_log
+from flashrecovery.engine.loop import EngineLoop
+from flashrecovery.records import Decision, Envelope, JobFinished, JobStarted, RankExited, Stream
+
+FOLLOW_TIMEOUT_S = 0.1  # how often the agent looks at its children between decisions
+STORE_TIMEOUT = datetime.timedelta(seconds=60)
+STUCK_AFTER_S = 120.0  # a rank has had no live process this long: nothing will recover it
+
+
+class Interrupted(BaseException):
+    """SIGTERM (or SIGINT) reached the agent: tear the job down."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status: str  # "completed" | "failed"
+    exit_code: int
+    detail: str = ""
+
+
+class Agent:
+    """``Agent(config).run()`` runs the job to its end and returns the exit code. Child PIDs are
+    in the log (RankJoined, SpareReady, SpareActivated, ReplacementSpawned records)."""
+
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config.resolved()  # ConfigError before anything starts
+        assert self.config.job_id is not None and self.config.log_url is not None
+        self.job_id: str = self.config.job_id
+        self.log_url: str = self.config.log_url
+        self._log = open_log(self.log_url)
+
+    def run(self) -> int:
+        config = self.config
+        store = dist.TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT
+        )
+        self._report(
+            JobStarted(
+                job_id=self.job_id,
+                generation=0,
+                source="agent",
+                world_size=config.nproc,
+                spares=config.spares,
+                heartbeat_interval_s=config.heartbeat_interval_s,
+            )
+        )
+        engine = EngineLoop(self.log_url, self.job_id).start()
+        supervisor = Supervisor(
+            [sys.executable, str(config.script), *config.script_args],
+            self._child_env(store.port),
+            self._on_exit,
+            config.output_dir,
+        )
+        actions = Actions(supervisor, store, self._report, self.job_id, config.spares)
+        previous = _handle_signals()
+        outcome = Outcome("failed", 1, "interrupted")
+        try:
+            for rank in range(config.nproc):
+                supervisor.spawn_rank(rank, fault=config.faults.get(rank))
+            for _ in range(config.spares):
+                supervisor.spawn_spare()
+            outcome = self._supervise(supervisor, actions, engine)
+        except Interrupted as exc:
+            outcome = Outcome("failed", 128 + exc.signum, f"interrupted by signal {exc.signum}")
+        finally:
+            _ignore_signals(previous)  # a second Ctrl-C must not cut the teardown short
+            self._report(
+                JobFinished(
+                    job_id=self.job_id,
+                    generation=engine.state.generation,
+                    source="agent",
+                    status="completed" if outcome.status == "completed" else "failed",
+                    exit_code=outcome.exit_code,
+                    detail=outcome.detail,
+                )
+            )
+            supervisor.teardown()
+            engine.stop()
+            _restore_signals(previous)
+            self._log.close()
+        return outcome.exit_code
+
+    def _supervise(self, supervisor: Supervisor, actions: Actions, engine: EngineLoop) -> Outcome:
+        position = 0
+        world = self.config.nproc
+        down_since: float | None = None
+        while True:
+            for entry in self._log.follow(
+                Stream.DECISIONS, self.job_id, position, FOLLOW_TIMEOUT_S
+            ):
+                position = entry.position + 1
+                if isinstance(entry.record, Decision):
+                    reason = actions.apply(entry.record)
+                    if reason is not None:
+                        return Outcome("failed", 1, reason)
+            if supervisor.ranks_done(world):
+                return Outcome("completed", 0)
+            if engine.error is not None:
+                return Outcome("failed", 1, f"engine stopped: {engine.error!r}")
+            if not supervisor.rank_down(world):
+                down_since = None
+            elif down_since is None:
+                down_since = time.monotonic()
+            elif time.monotonic() - down_since > STUCK_AFTER_S:
+                return Outcome("failed", 1, f"a rank stayed down for {STUCK_AFTER_S:.0f}s")
+
+    def _child_env(self, port: int) -> dict[str, str]:
+        inherited = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("FLASHRECOVERY_") and k not in ("RANK", "LOCAL_RANK")
+        }
+        return {
+            **inherited,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "WORLD_SIZE": str(self.config.nproc),
+            "OMP_NUM_THREADS": "1",
+            "FLASHRECOVERY_JOB_ID": self.job_id,
+            "FLASHRECOVERY_LOG": self.log_url,
+            "FLASHRECOVERY_HEARTBEAT_INTERVAL": str(self.config.heartbeat_interval_s),
+        }
+
+    def _on_exit(self, child: Child, code: int) -> None:
+        """A waiter thread saw a child end: report it at once."""
+        self._report(
+            RankExited(
+                job_id=self.job_id,
+                generation=child.generation,
+                source="agent",
+                rank=child.rank,
+                spare_id=child.spare_id,
+                pid=child.pid,
+                exit_code=code if code >= 0 else None,
+                signal=-code if code < 0 else None,
+            )
+        )
+
+    def _report(self, record: Envelope) -> None:
+        self._log.append(Stream.EVENTS, record)
+
+
+_Handler = signal.Handlers | int | None | object
+
+
+def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
+    raise Interrupted(signum)
+
+
+def _handle_signals() -> dict[int, _Handler]:
+    """Turn SIGTERM/SIGINT into Interrupted so the job is torn down (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+
+def _ignore_signals(previous: dict[int, _Handler]) -> None:
+    for sig in previous:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def _restore_signals(previous: dict[int, _Handler]) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)  # type: ignore[arg-type]

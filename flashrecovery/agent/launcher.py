@@ -1,0 +1,72 @@
+"""Run a training script on N ranks plus hot spares, recovering from rank failures."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from flashrecovery.agent.config import AgentConfig, ConfigError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nproc-per-node", type=int, required=True, metavar="N", help="ranks")
+    parser.add_argument("--spares", type=int, default=0, metavar="S", help="hot spare processes")
+    parser.add_argument(
+        "--log",
+        default=None,
+        metavar="URL",
+        help="event log URL (default: sqlite:///<cwd>/runs/<job-id>/log.db)",
+    )
+    parser.add_argument("--job-id", default=None, metavar="ID", help="default: generated")
+    parser.add_argument("--heartbeat-interval", type=float, default=1.0, metavar="SEC")
+    parser.add_argument(
+        "--output-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="write each process's output to its own file here",
+    )
+    parser.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="RANK:POINT@STEP",
+        help="test only: inject a fault into a rank, e.g. 1:after_reduce@3",
+    )
+    parser.add_argument("script", type=Path, help="the training script")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+
+
+def _faults(specs: list[str]) -> dict[int, str]:
+    faults = {}
+    for spec in specs:
+        rank, sep, fault = spec.partition(":")
+        if not sep or not rank.isdigit():
+            raise ConfigError(f"--fault {spec!r}: expected RANK:POINT@STEP")
+        faults[int(rank)] = fault
+    return faults
+
+
+def run(args: argparse.Namespace) -> int:
+    from flashrecovery.agent.job import Agent  # imports torch: only once the arguments are read
+
+    try:
+        agent = Agent(
+            AgentConfig(
+                script=args.script,
+                script_args=args.script_args,
+                nproc=args.nproc_per_node,
+                spares=args.spares,
+                log_url=args.log,
+                job_id=args.job_id,
+                heartbeat_interval_s=args.heartbeat_interval,
+                faults=_faults(args.fault),
+                output_dir=args.output_dir,
+            )
+        )
+    except ConfigError as exc:
+        print(f"flashrecovery run: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"flashrecovery: job {agent.job_id}, log {agent.log_url}", file=sys.stderr, flush=True)
+    return agent.run()

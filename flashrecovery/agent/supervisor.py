@@ -1,0 +1,183 @@
+"""The agent's process pool: ranks and hot spares, each in its own process group.
+
+A waiter thread per child blocks in ``Popen.wait()`` so an exit is reported the moment it
+happens (no polling). Children get their own session so a terminal's Ctrl-C reaches only the
+agent, which then tears every child down itself, grandchildren included (``killpg``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+TERM_GRACE_S = 3.0  # SIGTERM, then SIGKILL what is still there
+
+
+@dataclass
+class Child:
+    popen: subprocess.Popen[bytes]
+    rank: int | None  # the rank it holds; None for a spare not (yet) assigned
+    spare_id: int | None
+    generation: int
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+
+class Supervisor:
+    def __init__(
+        self,
+        command: list[str],
+        env: Mapping[str, str],
+        on_exit: Callable[[Child, int], None],
+        output_dir: Path | None = None,
+    ) -> None:
+        self._command = command
+        self._env = dict(env)
+        self._on_exit = on_exit  # called from the child's waiter thread, unless tearing down
+        self._output_dir = output_dir
+        self._lock = threading.Lock()
+        self._children: list[Child] = []
+        self._holders: dict[int, Child] = {}  # rank -> the process holding it now
+        self._next_spare_id = 0
+        self._tearing_down = False
+
+    # ------------------------------------------------------------------ starting
+
+    def spawn_rank(
+        self, rank: int, generation: int = 0, replacement: bool = False, fault: str | None = None
+    ) -> Child:
+        env = {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "FLASHRECOVERY_ROLE": "rank",
+            "FLASHRECOVERY_GENERATION": str(generation),
+            "FLASHRECOVERY_REPLACEMENT": "1" if replacement else "0",
+        }
+        if fault:
+            env["FLASHRECOVERY_FAULT"] = fault
+        child = self._spawn(env, rank, None, generation)
+        with self._lock:
+            self._holders[rank] = child
+        return child
+
+    def spawn_spare(self) -> Child:
+        with self._lock:
+            spare_id, self._next_spare_id = self._next_spare_id, self._next_spare_id + 1
+        env = {"FLASHRECOVERY_ROLE": "spare", "FLASHRECOVERY_SPARE_ID": str(spare_id)}
+        return self._spawn(env, None, spare_id, 0)
+
+    def _spawn(
+        self, extra: dict[str, str], rank: int | None, spare_id: int | None, generation: int
+    ) -> Child:
+        output = None
+        if self._output_dir is not None:
+            self._output_dir.mkdir(parents=True, exist_ok=True)
+            name = f"rank{rank}" if spare_id is None else f"spare{spare_id}"
+            output = open(self._output_dir / f"{name}-{time.time_ns()}.log", "wb")  # noqa: SIM115
+        try:
+            popen = subprocess.Popen(
+                self._command,
+                env={**self._env, **extra},
+                stdout=output,
+                stderr=subprocess.STDOUT if output else None,
+                start_new_session=True,
+            )
+        finally:
+            if output is not None:
+                output.close()  # the child holds its own descriptor
+        child = Child(popen, rank=rank, spare_id=spare_id, generation=generation)
+        with self._lock:
+            self._children.append(child)
+        waiter = threading.Thread(target=self._wait, args=(child,), name=f"wait-{child.pid}")
+        waiter.daemon = True
+        waiter.start()
+        return child
+
+    def _wait(self, child: Child) -> None:
+        code = child.popen.wait()
+        with self._lock:
+            quiet = self._tearing_down
+        if not quiet:
+            self._on_exit(child, code)
+
+    # ------------------------------------------------------------------ acting
+
+    def assign(self, spare_id: int, rank: int, generation: int) -> Child | None:
+        """The spare now holds ``rank``; None if no such spare was started."""
+        with self._lock:
+            child = next((c for c in self._children if c.spare_id == spare_id), None)
+            if child is not None:
+                child.rank, child.generation = rank, generation
+                self._holders[rank] = child
+            return child
+
+    def kill(self, pid: int) -> bool:
+        """SIGKILL a child (and its process group) if it is ours and still running."""
+        with self._lock:
+            child = next((c for c in self._children if c.pid == pid and c.alive), None)
+        if child is None:
+            return False
+        _signal_group(child, signal.SIGKILL)
+        return True
+
+    # ------------------------------------------------------------------ observing
+
+    def ranks_done(self, world_size: int) -> bool:
+        """Every rank's current process has exited with status 0."""
+        with self._lock:
+            holders = [self._holders.get(r) for r in range(world_size)]
+        return all(c is not None and c.popen.poll() == 0 for c in holders)
+
+    def rank_down(self, world_size: int) -> bool:
+        """Some rank's current process failed and nothing holds the rank yet."""
+        with self._lock:
+            holders = [self._holders.get(r) for r in range(world_size)]
+        return any(c is not None and c.popen.poll() not in (None, 0) for c in holders)
+
+    def idle_spares(self) -> int:
+        with self._lock:
+            return sum(1 for c in self._children if c.rank is None and c.alive)
+
+    def pids(self) -> list[int]:
+        with self._lock:
+            return [c.pid for c in self._children]
+
+    # ------------------------------------------------------------------ ending
+
+    def teardown(self) -> None:
+        """End every child: SIGTERM, a bounded grace, then SIGKILL; exits go unreported."""
+        with self._lock:
+            self._tearing_down = True
+            children = list(self._children)
+        for child in children:
+            if child.alive:
+                _signal_group(child, signal.SIGTERM)
+        deadline = time.monotonic() + TERM_GRACE_S
+        for child in children:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.popen.wait(max(0.0, deadline - time.monotonic()))
+        for child in children:
+            _signal_group(child, signal.SIGKILL)  # also reaps grandchildren left in the group
+            try:
+                child.popen.wait(TERM_GRACE_S)
+            except subprocess.TimeoutExpired:
+                print(f"flashrecovery: process {child.pid} did not die", file=sys.stderr)
+
+
+def _signal_group(child: Child, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):  # nothing left in the group
+        os.killpg(child.pid, sig)  # its own session: the group id is its pid

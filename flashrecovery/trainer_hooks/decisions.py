@@ -1,0 +1,122 @@
+"""The decisions a rank follows: regroup and resume plans, and fallback, per generation.
+
+A thread tails the job's decisions stream (low volume, DESIGN §2) and keeps the plans; the
+training thread waits on them. When a plan moves the job past a generation, ``on_regroup`` runs
+at once in this thread so a training thread blocked on a vote of the old generation is released.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar, cast
+
+from flashrecovery.connectors.base import LogConnector
+from flashrecovery.records import (
+    Decision,
+    FallbackToCheckpoint,
+    RegroupPlanned,
+    ResumePlanned,
+    Stream,
+)
+
+FOLLOW_TIMEOUT_S = 0.5  # also how soon an orphaned process notices its agent is gone
+
+T = TypeVar("T")
+
+
+class FallbackRequired(Exception):
+    """The engine found no replica holding some shard: only a checkpoint can restore it.
+    Not a RuntimeError, so the recovery path never mistakes it for a failed collective."""
+
+
+class DecisionFollower:
+    def __init__(self, log: LogConnector, job_id: str, on_regroup: Callable[[int], None]) -> None:
+        self._log = log
+        self._job_id = job_id
+        self._on_regroup = on_regroup
+        self._changed = threading.Condition()
+        self._regroup: RegroupPlanned | None = None  # the newest
+        self._resumes: dict[int, ResumePlanned] = {}
+        self._fallback: FallbackToCheckpoint | None = None
+        self._stop = threading.Event()
+        self._parent = os.getppid()
+        self._thread = threading.Thread(
+            target=self._run, name="flashrecovery-decisions", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(FOLLOW_TIMEOUT_S * 4)
+
+    @property
+    def latest_generation(self) -> int:
+        with self._changed:
+            return self._regroup.generation if self._regroup else 0
+
+    def _run(self) -> None:
+        position = 0
+        while not self._stop.is_set():
+            if os.getppid() != self._parent:
+                os._exit(70)  # the agent is gone: nobody can regroup or reap us
+            entries = self._log.follow(Stream.DECISIONS, self._job_id, position, FOLLOW_TIMEOUT_S)
+            for entry in entries:
+                position = entry.position + 1
+                if isinstance(entry.record, Decision):
+                    self._apply(entry.record)
+
+    def _apply(self, decision: Decision) -> None:
+        with self._changed:
+            if isinstance(decision, RegroupPlanned):
+                if self._regroup is None or decision.generation > self._regroup.generation:
+                    self._regroup = decision
+            elif isinstance(decision, ResumePlanned):
+                self._resumes[decision.generation] = decision
+            elif isinstance(decision, FallbackToCheckpoint):
+                self._fallback = decision
+            else:
+                return
+            self._changed.notify_all()
+        if isinstance(decision, RegroupPlanned):
+            self._on_regroup(decision.generation)
+
+    def _wait(self, value: Callable[[], T | None], timeout: float) -> T:
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                if self._fallback is not None:
+                    raise FallbackRequired(
+                        f"the job falls back to its checkpoint: {self._fallback.reason}"
+                    )
+                found = value()
+                if found is not None:
+                    return found
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no recovery decision within {timeout:.0f}s")
+                self._changed.wait(left)
+
+    def wait_regroup(self, after: int, timeout: float) -> RegroupPlanned:
+        """The plan of the newest generation above ``after``."""
+        return self._wait(
+            lambda: self._regroup if self._regroup and self._regroup.generation > after else None,
+            timeout,
+        )
+
+    def wait_resume(self, generation: int, timeout: float) -> ResumePlanned | RegroupPlanned:
+        """The resume plan of ``generation``, or a newer regroup that supersedes it."""
+
+        def resume_or_newer() -> ResumePlanned | RegroupPlanned | None:
+            if generation in self._resumes:
+                return self._resumes[generation]
+            if self._regroup and self._regroup.generation > generation:
+                return self._regroup
+            return None
+
+        # mypy would widen the union to Decision when solving the type variable
+        return cast(ResumePlanned | RegroupPlanned, self._wait(resume_or_newer, timeout))

@@ -1,0 +1,65 @@
+"""The launch environment `flashrecovery run` gives each process (docs/protocol.md)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from flashrecovery.trainer_hooks.faults import Fault
+
+
+class LaunchError(RuntimeError):
+    """The process was not started by `flashrecovery run` (or its environment is broken)."""
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    job_id: str
+    log_url: str
+    master_addr: str
+    master_port: int
+    world_size: int
+    heartbeat_interval_s: float
+    role: str  # "rank" or "spare"
+    rank: int | None  # None for a spare until it is assigned
+    spare_id: int | None
+    generation: int
+    replacement: bool
+    fault: Fault | None
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> LaunchEnv:
+        env = os.environ if environ is None else environ
+
+        def need(name: str) -> str:
+            value = env.get(name)
+            if not value:
+                raise LaunchError(
+                    f"{name} is not set: start this script with `flashrecovery run "
+                    "--nproc-per-node N script.py`"
+                )
+            return value
+
+        role = need("FLASHRECOVERY_ROLE")
+        if role not in ("rank", "spare"):
+            raise LaunchError(f"FLASHRECOVERY_ROLE={role!r}: expected 'rank' or 'spare'")
+        try:
+            return cls(
+                job_id=need("FLASHRECOVERY_JOB_ID"),
+                log_url=need("FLASHRECOVERY_LOG"),
+                master_addr=need("MASTER_ADDR"),
+                master_port=int(need("MASTER_PORT")),
+                world_size=int(need("WORLD_SIZE")),
+                heartbeat_interval_s=float(need("FLASHRECOVERY_HEARTBEAT_INTERVAL")),
+                role=role,
+                rank=int(need("RANK")) if role == "rank" else None,
+                spare_id=int(need("FLASHRECOVERY_SPARE_ID")) if role == "spare" else None,
+                generation=int(env.get("FLASHRECOVERY_GENERATION", "0")),
+                replacement=env.get("FLASHRECOVERY_REPLACEMENT") == "1",
+                fault=Fault.parse(env["FLASHRECOVERY_FAULT"])
+                if env.get("FLASHRECOVERY_FAULT")
+                else None,
+            )
+        except ValueError as exc:
+            raise LaunchError(f"bad launch environment: {exc}") from None

@@ -1,0 +1,41 @@
+"""The heartbeat thread: proof of life that does not depend on the training loop progressing
+(a rank blocked in a long collective still beats; a SIGSTOPped one does not)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+
+from flashrecovery.connectors.base import LogConnector, LogError
+from flashrecovery.records import Heartbeat, Stream
+
+
+class HeartbeatThread:
+    def __init__(
+        self, log: LogConnector, interval_s: float, beat: Callable[[], Heartbeat | None]
+    ) -> None:
+        self._log = log
+        self._interval_s = interval_s
+        self._beat = beat  # builds the current heartbeat, None while holding no rank
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name="flashrecovery-heartbeat", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(self._interval_s * 2 + 1)
+
+    def _run(self) -> None:
+        while True:
+            record = self._beat()
+            if record is not None:
+                # A beat lost to a busy log is what the detector tolerates; the next may pass.
+                with contextlib.suppress(LogError):
+                    self._log.append(Stream.EVENTS, record)
+            if self._stop.wait(self._interval_s):
+                return

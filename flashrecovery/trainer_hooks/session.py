@@ -1,0 +1,359 @@
+"""A training process's session: the hook the training loop calls (docs/hook.md).
+
+It carries out the rank's side of docs/protocol.md: it joins its generation's group, commits
+each step for all members or none, and on a failure regroups in the same process and restores
+a replacement from a healthy replica. What to do is decided by the engine; the session only
+follows those decisions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from flashrecovery.connectors import open_log
+from flashrecovery.records import (
+    CollectiveError,
+    Envelope,
+    Heartbeat,
+    RankFinished,
+    RankJoined,
+    RankRegrouped,
+    ResumePlanned,
+    SpareReady,
+    StateTransferred,
+    StepCompleted,
+    Stream,
+)
+from flashrecovery.trainer_hooks import groups, rng, transfer, vote
+from flashrecovery.trainer_hooks.decisions import DecisionFollower
+from flashrecovery.trainer_hooks.env import LaunchEnv
+from flashrecovery.trainer_hooks.gradients import ReducedGradients
+from flashrecovery.trainer_hooks.groups import Group
+from flashrecovery.trainer_hooks.heartbeat import HeartbeatThread
+
+RECOVERY_TIMEOUT_S = 120.0  # longest wait for the engine's next recovery decision
+SPARE_WAIT = groups.COLLECTIVE_TIMEOUT  # a spare re-arms its wait this often while idle
+SHARD = 0  # every rank is a data-parallel replica of the one shard
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
+
+
+class ReplacedError(RuntimeError):
+    """The engine replaced this rank (it was declared failed); this process must stop."""
+
+
+class Session:
+    """One process's membership in a flashrecovery job (create it with ``init()``)."""
+
+    def __init__(self, env: LaunchEnv) -> None:
+        self._env = env
+        self._log = open_log(env.log_url)
+        self._store = groups.connect_store(env.master_addr, env.master_port)
+        self._closer_store = groups.connect_store(env.master_addr, env.master_port)
+        self._host = socket.gethostname()
+        self._pid = os.getpid()
+        self._rank = env.rank
+        self._generation = env.generation
+        self._committed_step = -1
+        self._group: Group | None = None
+        self._model: torch.nn.Module | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._extras: dict[str, Stateful] = {}
+        self._open_step: int | None = None
+        self._step_started = 0.0
+        self._rng_at_step: dict[str, Any] = {}
+        self._ballot_lock = threading.Lock()
+        self._ballot: tuple[int, str] | None = None  # (generation, vote key) being voted on
+        self._follower = DecisionFollower(self._log, env.job_id, self._on_regroup)
+        self._heartbeat = HeartbeatThread(self._log, env.heartbeat_interval_s, self._beat)
+        self._follower.start()
+        self._heartbeat.start()
+        if env.role == "rank" and not env.replacement:
+            self._group = groups.build(self._store, 0, self.rank, env.world_size)
+            self._append(RankJoined, rank=self.rank, pid=self._pid, host=self._host, shard=SHARD)
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def rank(self) -> int:
+        if self._rank is None:
+            raise RuntimeError("a hot spare has no rank until session.steps() yields a step")
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._env.world_size
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    @property
+    def is_spare(self) -> bool:
+        """Whether this process was started as a hot spare (it keeps that role once assigned)."""
+        return self._env.role == "spare"
+
+    @property
+    def committed_step(self) -> int:
+        return self._committed_step
+
+    # ------------------------------------------------------------------ the training loop
+
+    def register(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        extras: Mapping[str, Stateful] | None = None,
+        warmup: Callable[[], object] | None = None,
+    ) -> None:
+        """Hand over what defines the training state. Ranks of generation 0 start from rank
+        0's parameters (as DDP does); a spare pays its first-time costs here, then reports ready."""
+        self._model, self._optimizer, self._extras = model, optimizer, dict(extras or {})
+        if self._group is not None and self._generation == 0:
+            for tensor in model.state_dict().values():
+                self._group.broadcast(tensor, 0).wait()
+        if self._env.role == "spare":
+            if warmup is not None:
+                warmup()
+                model.zero_grad(set_to_none=True)
+            assert self._env.spare_id is not None
+            self._append(SpareReady, spare_id=self._env.spare_id, pid=self._pid, host=self._host)
+
+    def steps(self, total: int) -> Iterator[int]:
+        """Yield the steps to compute, 0..total-1; after a recovery, the step after the one
+        every member has committed. A spare blocks here until it is assigned a rank."""
+        if self._model is None:
+            raise RuntimeError("call session.register(model, optimizer) before session.steps()")
+        if self._rank is None:
+            self._await_assignment()
+        elif self._group is None:
+            self._rejoin(self._generation)  # a fresh replacement
+        while self._committed_step + 1 < total:
+            step = self._committed_step + 1
+            self._open_step, self._step_started = step, time.perf_counter()
+            self._rng_at_step = rng.capture()
+            yield step
+            if self._open_step is not None:
+                raise RuntimeError(f"step {step}: call session.commit() once per step")
+
+    def commit(self, loss: float | None = None) -> bool:
+        """Average the gradients over the members and step the optimizer if every member
+        commits this step. On a peer failure, recover (regroup, restore) and return False:
+        ``steps()`` then yields the step to recompute."""
+        step, self._open_step = self._open_step, None
+        if step is None:
+            raise RuntimeError("session.commit() outside a step of session.steps()")
+        assert self._group is not None and self._model is not None and self._optimizer is not None
+        fault = self._env.fault
+        if fault is not None:
+            fault.check("before_reduce", step)
+        params = [p for p in self._model.parameters() if p.requires_grad]
+        try:
+            reduced = ReducedGradients.reduce(self._group, params)
+            if fault is not None:
+                fault.check("after_reduce", step)
+        except RuntimeError as exc:  # a peer vanished: gloo fails within milliseconds
+            self._append(CollectiveError, rank=self.rank, step=step, error=str(exc)[:500])
+            verdict = vote.Verdict.ABORTED
+        else:
+            verdict = self._vote(step)
+        if verdict is vote.Verdict.COMMITTED:
+            reduced.apply(self.world_size)
+            self._optimizer.step()
+            self._optimizer.zero_grad(set_to_none=True)
+            self._committed_step = step
+            self._append(
+                StepCompleted,
+                rank=self.rank,
+                step=step,
+                duration_s=round(time.perf_counter() - self._step_started, 6),
+                loss=loss,
+            )
+            return True
+        self._optimizer.zero_grad(set_to_none=True)
+        rng.restore(self._rng_at_step)  # the step is recomputed with the same randomness
+        self._recover()
+        return False
+
+    def finish(self) -> None:
+        """Report this rank done and stop the session's threads."""
+        if self._rank is not None:
+            self._append(RankFinished, rank=self._rank, step=self._committed_step)
+        self._close()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            self.finish()
+        else:
+            self._close()
+
+    # ------------------------------------------------------------------ the vote
+
+    def _vote(self, step: int) -> vote.Verdict:
+        key = vote.vote_key(self._generation, step)
+        with self._ballot_lock:
+            self._ballot = (self._generation, key)
+            superseded = self._follower.latest_generation > self._generation
+        try:
+            verdict = vote.cast(self._store, key, self.rank, self.world_size)
+            if verdict is None and superseded:
+                verdict = vote.close(self._store, key, self.world_size)
+            if verdict is None:
+                try:
+                    verdict = vote.wait(self._store, key, groups.COLLECTIVE_TIMEOUT)
+                except dist.DistStoreError:  # nobody made it final in time: settle it here
+                    verdict = vote.close(self._store, key, self.world_size)
+        finally:
+            with self._ballot_lock:
+                self._ballot = None
+        return verdict
+
+    def _on_regroup(self, generation: int) -> None:
+        """A newer generation is planned: a vote of an older one can never fill, so close it
+        (unless it already filled) and release the members waiting on it."""
+        with self._ballot_lock:
+            if self._ballot is not None and self._ballot[0] < generation:
+                vote.close(self._closer_store, self._ballot[1], self.world_size)
+
+    # ------------------------------------------------------------------ recovery
+
+    def _await_assignment(self) -> None:
+        """Block until the agent hands this spare a rank (``spare/{id}``), then join."""
+        key = f"spare/{self._env.spare_id}"
+        while True:
+            try:
+                self._store.wait([key], SPARE_WAIT)
+                break
+            except dist.DistStoreError:
+                continue  # still idle; an orphaned spare is ended by the decisions thread
+        assignment = json.loads(self._store.get(key))
+        self._rank = int(assignment["rank"])
+        self._rejoin(int(assignment["generation"]))
+
+    def _recover(self) -> None:
+        """A survivor's path: leave the broken generation and join the one the engine plans."""
+        self._drop_group()
+        plan = self._follower.wait_regroup(self._generation, RECOVERY_TIMEOUT_S)
+        if self.rank in plan.replaced:
+            raise ReplacedError(f"rank {self.rank} was declared failed and replaced")
+        self._rejoin(plan.generation)
+
+    def _rejoin(self, generation: int) -> None:
+        """Build ``generation``'s group, report the committed step, and carry out the resume
+        plan; when another failure supersedes the generation, move on to the newer one."""
+        while True:
+            self._generation = generation
+            try:
+                self._group = groups.build(self._store, generation, self.rank, self.world_size)
+                self._append(
+                    RankRegrouped,
+                    rank=self.rank,
+                    committed_step=self._committed_step,
+                    shard=SHARD,
+                    pid=self._pid,
+                )
+                plan = self._follower.wait_resume(generation, RECOVERY_TIMEOUT_S)
+                if isinstance(plan, ResumePlanned):
+                    self._restore(plan)
+                    return
+            except RuntimeError as exc:  # a member failed while this generation formed
+                self._append(
+                    CollectiveError, rank=self.rank, step=self._committed_step, error=str(exc)[:500]
+                )
+            self._drop_group()
+            generation = self._follower.wait_regroup(generation, RECOVERY_TIMEOUT_S).generation
+
+    def _restore(self, plan: ResumePlanned) -> None:
+        assert self._group is not None
+        donor = plan.donors[SHARD]
+        if self.rank == donor:
+            state = self._state()
+            for recipient in plan.recipients:
+                transfer.send(self._group, recipient, state)
+        elif self.rank in plan.recipients:
+            started = time.perf_counter()
+            state, size = transfer.recv(self._group, donor)
+            self._load(state)
+            self._append(
+                StateTransferred,
+                rank=self.rank,
+                donor=donor,
+                bytes=size,
+                ms=round((time.perf_counter() - started) * 1000, 3),
+            )
+        if self._committed_step != plan.resume_step:
+            raise RuntimeError(
+                f"rank {self.rank} holds step {self._committed_step} after the restore, "
+                f"the plan resumes after {plan.resume_step}"
+            )
+
+    def _state(self) -> dict[str, Any]:
+        assert self._model is not None and self._optimizer is not None
+        return {
+            "model": self._model.state_dict(),
+            "optimizer": self._optimizer.state_dict(),
+            "extras": {name: obj.state_dict() for name, obj in self._extras.items()},
+            "rng": rng.capture(),
+            "committed_step": self._committed_step,
+        }
+
+    def _load(self, state: dict[str, Any]) -> None:
+        assert self._model is not None and self._optimizer is not None
+        self._model.load_state_dict(state["model"])
+        self._optimizer.load_state_dict(state["optimizer"])
+        for name, obj in self._extras.items():
+            obj.load_state_dict(state["extras"][name])
+        rng.restore(state["rng"])
+        self._committed_step = int(state["committed_step"])
+
+    def _drop_group(self) -> None:
+        group, self._group = self._group, None
+        if group is not None:
+            groups.drop(group)
+
+    # ------------------------------------------------------------------ records
+
+    def _append(self, cls: type[Envelope], **fields: Any) -> None:
+        self._log.append(Stream.EVENTS, cls(**self._envelope(), **fields))
+
+    def _envelope(self) -> dict[str, Any]:
+        source = f"rank:{self._rank}" if self._rank is not None else f"spare:{self._env.spare_id}"
+        return {"job_id": self._env.job_id, "generation": self._generation, "source": source}
+
+    def _beat(self) -> Heartbeat | None:
+        if self._rank is None:
+            return None
+        return Heartbeat(
+            **self._envelope(),
+            rank=self._rank,
+            step=self._committed_step,
+            pid=self._pid,
+            host=self._host,
+        )
+
+    def _close(self) -> None:
+        self._heartbeat.stop()
+        self._follower.stop()
+        self._drop_group()
+        self._log.close()
+
+
+def init() -> Session:
+    """Join the job `flashrecovery run` started this process for (read from the environment)."""
+    return Session(LaunchEnv.from_environ())

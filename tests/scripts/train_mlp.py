@@ -1,0 +1,54 @@
+"""Training script of the live tests: a small MLP with dropout and AdamW on data keyed by
+(step, rank), so a run's final parameters depend only on the seed, never on failures."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from flashrecovery.trainer_hooks import init
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(step * 1000 + rank)
+    x = torch.randn(16, 8, generator=generator)
+    return x, x.sum(dim=1, keepdim=True).sin()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--out", type=Path, required=True, help="final parameters go here")
+    parser.add_argument("--step-time", type=float, default=0.0, help="simulated compute, s")
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    session = init()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(32, 1)
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def warmup() -> None:
+        x, y = batch(0, 0)
+        F.mse_loss(model(x), y).backward()
+
+    session.register(model, optimizer, warmup=warmup)
+    with session:
+        for step in session.steps(args.steps):
+            x, y = batch(step, session.rank)
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            time.sleep(args.step_time)
+            session.commit(loss=loss.item())
+        params = torch.cat([t.detach().reshape(-1) for t in model.state_dict().values()])
+        torch.save(params, args.out / f"rank{session.rank}.pt")
+
+
+if __name__ == "__main__":
+    main()
