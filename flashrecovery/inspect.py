@@ -33,7 +33,7 @@ SUMMARY_SKIP = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--log", required=True, help="log URL, e.g. sqlite:///runs/job/log.db")
+    parser.add_argument("--log", required=True, help="log URL, e.g. sqlite://runs/JOB/log.db")
     parser.add_argument("--job", help="job id (default: every job in the log)")
     parser.add_argument("--rank", type=int, help="only records about this rank")
     parser.add_argument(

@@ -177,13 +177,27 @@ class KafkaLog(LogConnector):
     def __init__(self, url: str, settings: KafkaSettings) -> None:
         self.url = url
         self.settings = settings
-        self._lock = threading.Lock()  # KafkaConsumer is not thread-safe
+        # KafkaConsumer is not thread-safe, and threads that follow different streams (engine,
+        # agent, hook) must not wait on each other's fetches: one consumer per thread.
+        self._local = threading.local()
+        self._consumers: list[KafkaConsumer] = []
+        self._consumers_lock = threading.Lock()
         self._partitions: dict[str, list[int]] = {}
         ensure_topics(settings)
         with self._failing("connecting"):
             self._producer = KafkaProducer(**settings.config("producer"))
-            self._consumer = KafkaConsumer(**settings.config("consumer"))
+            _ = self._consumer  # connect now, so that a bad setting fails here
         self._delivery_s = self._producer.config["delivery_timeout_ms"] / 1000
+
+    @property
+    def _consumer(self) -> KafkaConsumer:
+        consumer: KafkaConsumer | None = getattr(self._local, "consumer", None)
+        if consumer is None:
+            consumer = KafkaConsumer(**self.settings.config("consumer"))
+            self._local.consumer = consumer
+            with self._consumers_lock:
+                self._consumers.append(consumer)
+        return consumer
 
     @classmethod
     def from_url(cls, url: str) -> KafkaLog:
@@ -229,7 +243,7 @@ class KafkaLog(LogConnector):
     ) -> list[Entry]:
         topic, key = self.settings.topic(stream), job_id.encode()
         out: list[Entry] = []
-        with self._lock, self._failing(f"reading {topic}"):
+        with self._failing(f"reading {topic}"):
             tp = TopicPartition(topic, self._partition(topic, key))
             for rec in self._records({tp: start}, key, time.monotonic() + wait_s):
                 if limit is not None and len(out) >= limit:
@@ -272,7 +286,7 @@ class KafkaLog(LogConnector):
                         yield rec
 
     def jobs(self) -> list[str]:
-        with self._lock, self._failing("listing jobs"):
+        with self._failing("listing jobs"):
             starts = {
                 TopicPartition(topic, p): 0
                 for topic in (self.settings.topic(s) for s in Stream)
@@ -282,6 +296,8 @@ class KafkaLog(LogConnector):
         return sorted(k.decode(errors="replace") for k in keys)
 
     def close(self) -> None:
-        with self._lock:
-            self._producer.close(timeout=self.settings.timeout_s)
-            self._consumer.close()
+        self._producer.close(timeout=self.settings.timeout_s)
+        with self._consumers_lock:
+            for consumer in self._consumers:
+                consumer.close()
+            self._consumers.clear()

@@ -134,7 +134,7 @@ def replay_job(log: LogConnector, job_id: str, until: int | None = None) -> Repl
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--log", required=True, help="log URL, e.g. sqlite:///runs/job/log.db")
+    parser.add_argument("--log", required=True, help="log URL, e.g. sqlite://runs/JOB/log.db")
     parser.add_argument("--job", required=True, help="job id")
     parser.add_argument("--until", type=int, default=None, help="stop after this events position")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
