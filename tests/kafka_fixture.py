@@ -1,11 +1,13 @@
 """The real Kafka broker for the test session: started once, stopped at the end even on failure.
 
 ``kafka_bootstrap`` gives its ``127.0.0.1:PORT``; ``kafka_log_url`` is a URL naming a fresh,
-empty log on it (a unique topic prefix).
+empty log on it (a unique topic prefix). When ``FLASHRECOVERY_KAFKA_BOOTSTRAP`` is set (CI starts
+the broker with ``flashrecovery broker start`` first), the tests use that broker instead.
 """
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 
@@ -25,8 +27,12 @@ def kafka_broker() -> Iterator[KafkaBroker]:
 
 
 @pytest.fixture(scope="session")
-def kafka_bootstrap(kafka_broker: KafkaBroker) -> str:
-    return kafka_broker.bootstrap
+def kafka_bootstrap(request: pytest.FixtureRequest) -> str:
+    external = os.environ.get("FLASHRECOVERY_KAFKA_BOOTSTRAP")
+    if external:
+        return external
+    broker: KafkaBroker = request.getfixturevalue("kafka_broker")
+    return broker.bootstrap
 
 
 def kafka_url(bootstrap: str, **params: object) -> str:
