@@ -25,9 +25,7 @@ from rich.table import Table
 from flashrecovery.connectors import LogError, open_log
 from flashrecovery.demo.job import JobSpec, LaunchedJob
 from flashrecovery.demo.summary import summarize
-from flashrecovery.demo.watch import JobWatch, Kill, Killer
-
-POLL_S = 0.05
+from flashrecovery.demo.watch import JobWatch, Kill, Killer, follow
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -97,18 +95,15 @@ def execute(
     with open_log(spec.log_url) as log, LaunchedJob(spec) as job:
         watch = JobWatch(log, spec.job_id)
         killer = Killer(job, kills)
-        deadline = time.monotonic() + timeout
         with Live(render(spec, watch, killer, title), console=console, auto_refresh=False) as live:
-            while job.poll() is None and time.monotonic() < deadline:
-                watch.poll(POLL_S)
-                fired = killer.tick(watch)
+
+            def show(fired: Kill | None) -> None:
                 if fired is not None:
                     live.console.print(f"[red]SIGKILL[/] {fired.describe()}")
                 live.update(render(spec, watch, killer, title), refresh=True)
-            while watch.poll(POLL_S):
-                pass  # the records written just before the agent exited
-            live.update(render(spec, watch, killer, title), refresh=True)
-        returncode = job.poll()
+
+            returncode = follow(job, watch, killer, timeout, show)
+        console.line()  # Live leaves its last frame without one when output is not a terminal
         if returncode != 0:
             console.print(f"[red]{title}: the agent ended with {returncode}[/]; its output:")
             console.print(job.output_tail(), markup=False, highlight=False)

@@ -73,9 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             losses[step] = loss.item()
             step_times.append(now - last)
         last = now
-    session.finish()
-    if session.is_spare:
-        return 0  # never assigned: holds no rank, has nothing to report
+    session.finish()  # a spare never assigned does not get here: the agent ends it
     RankResult(
         rank=session.rank,
         pid=os.getpid(),

@@ -9,6 +9,7 @@ how a machine or process failure looks to everyone else.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from flashrecovery.connectors.base import LogConnector
@@ -16,6 +17,8 @@ from flashrecovery.demo.job import LaunchedJob
 from flashrecovery.engine.decide import ingest
 from flashrecovery.engine.state import EngineState
 from flashrecovery.records import JobFinished, RankJoined, Stream
+
+POLL_S = 0.05  # longest wait for new records before the killer looks again
 
 
 class JobWatch:
@@ -134,3 +137,24 @@ class Killer:
         killed = kill.pid is not None and self.job.kill_descendant(kill.pid)
         kill.outcome = "killed" if killed else "missed"
         return kill
+
+
+def follow(
+    job: LaunchedJob,
+    watch: JobWatch,
+    killer: Killer,
+    timeout: float,
+    on_tick: Callable[[Kill | None], None],
+    until: Callable[[], bool] = lambda: False,
+) -> int | None:
+    """Watch the job and carry out its kills until the agent exits, ``until()`` holds or the
+    timeout passes; ``on_tick`` sees each round (and the kill fired in it). Returns the agent's
+    exit code, None while it still runs."""
+    deadline = time.monotonic() + timeout
+    while job.poll() is None and not until() and time.monotonic() < deadline:
+        watch.poll(POLL_S)
+        on_tick(killer.tick(watch))
+    while watch.poll(POLL_S):
+        pass  # the records written just before the agent exited
+    on_tick(None)
+    return job.poll()
