@@ -88,6 +88,12 @@ class LaunchedJob:
     def poll(self) -> int | None:
         return self._proc.poll()
 
+    def wait(self, timeout: float) -> int | None:
+        """The agent's exit code once it ends, or None if it still runs after ``timeout``."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._proc.wait(timeout)
+        return self._proc.poll()
+
     def descendants(self) -> dict[int, psutil.Process]:
         try:
             children = psutil.Process(self.pid).children(recursive=True)

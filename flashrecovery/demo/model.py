@@ -79,8 +79,12 @@ class TinyGPT(nn.Module):
         return logits
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self(idx)
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+        return lm_loss(self(idx), targets)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-character cross-entropy; a wrapper such as DDP calls it on its own forward."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def _init_weights(module: nn.Module) -> None:
