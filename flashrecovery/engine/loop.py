@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import structlog
 
-from flashrecovery.connectors import open_log
+from flashrecovery.connectors import LogError, open_log
 from flashrecovery.connectors.base import Entry, LogConnector
 from flashrecovery.engine import detectors
 from flashrecovery.engine.decide import ingest
@@ -26,6 +26,7 @@ from flashrecovery.engine.state import EngineState
 from flashrecovery.records import Decision, EngineLease, Envelope, Stream
 
 log = structlog.get_logger("flashrecovery.engine")
+RETRY_MAX_S = 2.0  # longest pause between attempts while the log is unreachable
 
 
 class EngineLoop:
@@ -145,8 +146,8 @@ class EngineLoop:
             key = (record.type, record.generation, rank, self.state.ranks[rank].pid)
             if key in self._reported:
                 continue
-            self._reported.add(key)
             self.log.append(Stream.EVENTS, record)
+            self._reported.add(key)
             log.warning("detector", type=record.type, rank=rank)
             found.append(record)
         return found
@@ -163,10 +164,22 @@ class EngineLoop:
     # -------------------------------------------------------------- as a service
 
     def run(self) -> None:
-        """Catch up, then follow until stop() is called or the job has ended."""
-        self.catch_up()
+        """Catch up, then follow until stop() is called or the job has ended. While the log is
+        unreachable it retries with a bounded backoff; decisions not yet acknowledged stay due
+        and are written once it is back (their ids keep them from being written twice)."""
+        backoff = 0.0
+        caught_up = False
         while not self._stop.is_set() and self.state.job.state not in ("completed", "failed"):
-            self.step(self.poll_s)
+            try:
+                if not caught_up:
+                    self.catch_up()
+                    caught_up = True
+                self.step(self.poll_s)
+                backoff = 0.0
+            except LogError as exc:
+                backoff = min(max(backoff * 2, 0.1), RETRY_MAX_S)
+                log.warning("log unavailable, retrying", error=str(exc), retry_in_s=backoff)
+                self._stop.wait(backoff)
 
     def _run_guarded(self) -> None:
         try:
