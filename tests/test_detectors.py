@@ -1,0 +1,210 @@
+"""Time-based detectors: pure functions of (state, now) with exact thresholds, and the loop that
+appends their findings once so that time enters the engine only as a record."""
+
+from __future__ import annotations
+
+import pytest
+from factories import JOB, feed, make, running_job
+
+from flashrecovery.connectors.memory import MemoryLog
+from flashrecovery.engine import detectors
+from flashrecovery.engine.loop import EngineLoop
+from flashrecovery.engine.simulation import SimulatedWorld, drive
+from flashrecovery.engine.state import EngineState
+from flashrecovery.records import (
+    Envelope,
+    Heartbeat,
+    HeartbeatMissed,
+    IsolateRank,
+    RankFinished,
+    RegroupPlanned,
+    StallSuspected,
+    StepCompleted,
+    Stream,
+)
+
+SILENT_LIMIT = 3 * 0.5  # JobStarted default missed_heartbeats x the world's interval
+EPS = 1e-3
+
+
+def heartbeats(world: SimulatedWorld, ranks: list[int], ts: float) -> list[Envelope]:
+    return [make(Heartbeat, rank=r, pid=world.pids[r], step=world.committed, ts=ts) for r in ranks]
+
+
+def steps(world: SimulatedWorld, ranks: list[int], step: int, ts: float) -> list[Envelope]:
+    return [make(StepCompleted, rank=r, step=step, duration_s=world.step_s, ts=ts) for r in ranks]
+
+
+def apply(state: EngineState, records: list[Envelope]) -> None:
+    """Feed records that must apply cleanly (the scenario, not what is under test)."""
+    assert feed(state, records, state.position + 1) == []
+    assert not state.rejected
+
+
+@pytest.fixture
+def world() -> SimulatedWorld:
+    return SimulatedWorld(JOB, world_size=4, spares=1)
+
+
+def silent_rank_2(world: SimulatedWorld) -> tuple[EngineState, float]:
+    """A running job where every rank but 2 heartbeat one second after rank 2 last did."""
+    state = running_job(world, steps=3)
+    last = state.ranks[2].last_heartbeat_ts
+    assert last is not None
+    apply(state, heartbeats(world, [0, 1, 3], last + 1.0))
+    return state, last
+
+
+# ------------------------------------------------------------------ silent ranks
+
+
+def test_a_silent_rank_is_reported_once_past_the_limit_and_not_before(
+    world: SimulatedWorld,
+) -> None:
+    state, last = silent_rank_2(world)
+
+    assert detectors.silent_ranks(state, last + SILENT_LIMIT) == []
+    now = last + SILENT_LIMIT + EPS
+    found = detectors.silent_ranks(state, now)
+
+    assert [(r.rank, r.last_seen_ts, r.ts, r.generation, r.job_id) for r in found] == [
+        (2, last, now, 0, JOB)
+    ]
+    assert found[0].silent_s == pytest.approx(SILENT_LIMIT + EPS)
+    again = detectors.silent_ranks(state, now)  # pure: asking again finds the same
+    assert [r.model_dump(exclude={"record_id"}) for r in again] == [
+        r.model_dump(exclude={"record_id"}) for r in found
+    ]
+
+
+def test_every_silent_rank_is_reported_in_rank_order(world: SimulatedWorld) -> None:
+    state, last = silent_rank_2(world)
+    found = detectors.silent_ranks(state, last + 1.0 + SILENT_LIMIT + 1.0)
+    assert [r.rank for r in found] == [0, 1, 2, 3]
+
+
+def test_a_heartbeat_resets_the_silence(world: SimulatedWorld) -> None:
+    state, last = silent_rank_2(world)
+    apply(state, heartbeats(world, [2], last + SILENT_LIMIT))
+    assert detectors.silent_ranks(state, last + SILENT_LIMIT + EPS) == []
+
+
+def test_a_finished_rank_is_not_watched(world: SimulatedWorld) -> None:
+    state, last = silent_rank_2(world)
+    apply(state, [make(RankFinished, rank=2, step=world.committed, ts=last + 0.5)])
+    assert state.ranks[2].machine.state == "finished"
+    assert detectors.silent_ranks(state, last + SILENT_LIMIT + EPS) == []
+
+
+def test_ranks_in_a_recovery_are_not_watched(world: SimulatedWorld) -> None:
+    state, last = silent_rank_2(world)
+    decisions = feed(state, [world.kill(1)], state.position + 1)
+    assert decisions[0].type == "isolate_rank"
+    assert {state.ranks[r].machine.state for r in (0, 2, 3)} == {"paused"}
+    assert detectors.silent_ranks(state, last + 100.0) == []
+
+
+def test_nothing_is_watched_before_the_start_or_after_the_end(world: SimulatedWorld) -> None:
+    assert detectors.silent_ranks(EngineState(JOB), 1e12) == []
+    assert detectors.stalled_ranks(EngineState(JOB), 1e12) == []
+    state = running_job(world, steps=2)
+    apply(state, world.finish())
+    assert state.job.state == "completed"
+    assert detectors.silent_ranks(state, world.clock + 100.0) == []
+
+
+# ------------------------------------------------------------------ stalls
+
+
+@pytest.mark.parametrize(
+    ("step_s", "window"),
+    [
+        pytest.param(0.2, 5.0, id="floor"),  # 10 x 0.2 s < the 5 s floor
+        pytest.param(1.0, 10.0, id="k-x-median"),  # 10 x 1.0 s > the floor
+    ],
+)
+def test_a_rank_behind_its_peers_is_suspected_after_the_window(
+    world: SimulatedWorld, step_s: float, window: float
+) -> None:
+    world.step_s = step_s
+    state = running_job(world, steps=3)
+    progress = world.clock + step_s
+    apply(state, steps(world, [0, 2, 3], 3, progress))  # rank 1 stays at step 2
+
+    assert detectors.stalled_ranks(state, progress + window) == []
+    now = progress + window + EPS
+    found = detectors.stalled_ranks(state, now)
+
+    assert [(type(r), r.rank, r.last_step, r.ts, r.generation) for r in found] == [
+        (StallSuspected, 1, 2, now, 0)
+    ]
+    behind_since = state.ranks[1].last_step_ts
+    assert behind_since is not None
+    assert found[0].stalled_s == pytest.approx(now - behind_since)
+
+
+def test_no_stall_while_progress_continues(world: SimulatedWorld) -> None:
+    state = running_job(world, steps=3)
+    progress = world.clock + world.step_s
+    apply(state, steps(world, [0, 2, 3], 3, progress))
+    apply(state, steps(world, [0, 2, 3], 4, progress + 4.0))  # peers still move on
+    assert detectors.stalled_ranks(state, progress + 5.0 + EPS) == []
+
+
+def test_no_stall_when_nobody_is_behind(world: SimulatedWorld) -> None:
+    """Everyone waiting at the same step (slow data, a checkpoint) is not a straggler."""
+    state = running_job(world, steps=3)
+    assert detectors.stalled_ranks(state, world.clock + 1000.0) == []
+
+
+def test_no_stall_outside_running(world: SimulatedWorld) -> None:
+    state = running_job(world, steps=3)
+    progress = world.clock + world.step_s
+    apply(state, steps(world, [0, 2, 3], 3, progress))
+    feed(state, [world.kill(0)], state.position + 1)
+    assert state.job.state == "regrouping"
+    assert detectors.stalled_ranks(state, progress + 1000.0) == []
+
+
+# ------------------------------------------------------------------ the loop
+
+
+@pytest.mark.parametrize(("spares", "replacement"), [(1, "assign_spare"), (0, "spawn_replacement")])
+def test_loop_reports_a_silent_rank_once_and_the_engine_isolates_it(
+    spares: int, replacement: str
+) -> None:
+    world = SimulatedWorld(JOB, world_size=4, spares=spares)
+    log, now = MemoryLog(), [0.0]
+    engine = EngineLoop(log, JOB, clock=lambda: now[0])
+    drive(log, engine, world, world.start())
+    drive(log, engine, world, world.train(3))
+    last = engine.state.ranks[2].last_heartbeat_ts
+    assert last is not None
+    drive(log, engine, world, heartbeats(world, [0, 1, 3], last + 1.0))
+
+    now[0] = last + SILENT_LIMIT
+    assert engine.detect() == []
+    now[0] = last + SILENT_LIMIT + EPS
+    found = engine.detect()
+    assert [(type(r), getattr(r, "rank", None)) for r in found] == [(HeartbeatMissed, 2)]
+    now[0] += 0.5
+    assert engine.detect() == []  # still silent, but already reported
+    events = [e.record for e in log.read(Stream.EVENTS, JOB)]
+    assert [r for r in events if isinstance(r, HeartbeatMissed)] == found
+
+    engine.apply(log.read(Stream.EVENTS, JOB, engine.next_position))
+    decisions = [e.record for e in log.read(Stream.DECISIONS, JOB)]
+    assert [d.type for d in decisions if d is not None] == [
+        "isolate_rank",
+        replacement,
+        "regroup_planned",
+    ]
+    isolate, _, regroup = decisions
+    assert isinstance(isolate, IsolateRank) and isinstance(regroup, RegroupPlanned)
+    assert (isolate.rank, isolate.pid, isolate.generation) == (2, world.pids[2], 0)
+    assert "no heartbeat" in isolate.reason
+    assert (regroup.generation, regroup.members, regroup.replaced) == (1, [0, 1, 2, 3], [2])
+
+    now[0] += 100.0
+    assert engine.detect() == []  # nobody is watched while the job regroups
+    assert len(log.read(Stream.EVENTS, JOB)) == len(events)
