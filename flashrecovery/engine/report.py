@@ -40,28 +40,21 @@ def print_replay(report: ReplayReport, console: Console | None = None) -> None:
     if not data["incidents"]:
         console.print("no incidents")
         return
-    incidents = Table(title="incidents")
-    for column in (
-        "incident",
-        "rank",
-        "reason",
-        "state",
-        "phases (ms)",
-        "RTO (s)",
-        "lost",
-        "redone",
-    ):
-        incidents.add_column(column)
     for inc in data["incidents"]:
-        phases = ", ".join(f"{k} {v * 1000:.0f}" for k, v in inc["phases_s"].items())
-        incidents.add_row(
-            inc["incident_id"],
-            str(inc["failed_rank"]),
-            inc["reason"],
-            inc["state"],
-            phases,
-            "-" if inc["rto_s"] is None else f"{inc['rto_s']:.3f}",
-            "-" if inc["rpo_steps"] is None else str(inc["rpo_steps"]),
-            "-" if inc["recomputed_steps"] is None else str(inc["recomputed_steps"]),
+        console.print(
+            f"[bold]{inc['incident_id']}[/]: rank {inc['failed_rank']}, {inc['reason']} "
+            f"-> {inc['state']} (generation {inc['generation']}, resumed after step "
+            f"{inc['resume_step']})",
+            highlight=False,
         )
-    console.print(incidents)
+        phases = Table(show_header=True)
+        phases.add_column("phase")
+        phases.add_column("ms", justify="right")
+        for phase, seconds in inc["phases_s"].items():
+            phases.add_row(phase, f"{seconds * 1000:.1f}")
+        console.print(phases)
+        if inc["rto_s"] is not None:
+            console.print(
+                f"RTO {inc['rto_s'] * 1000:.1f} ms, committed steps lost {inc['rpo_steps']}, "
+                f"steps recomputed {inc['recomputed_steps']}"
+            )
