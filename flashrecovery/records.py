@@ -38,7 +38,9 @@ def new_record_id() -> str:
 class Envelope(BaseModel):
     """Fields every record carries."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # A NaN loss is news, not noise: write it as the JSON string "NaN" (plain JSON, and it
+    # parses back to a float NaN) rather than pydantic's default null.
+    model_config = ConfigDict(extra="forbid", frozen=True, ser_json_inf_nan="strings")
 
     schema_version: Literal[1] = 1
     record_id: str = Field(default_factory=new_record_id, min_length=1)

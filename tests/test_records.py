@@ -5,6 +5,7 @@ every reader rely on that to count bad records instead of crashing)."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,7 @@ from flashrecovery.records import (
     Heartbeat,
     IsolateRank,
     RecordError,
+    StepCompleted,
     Stream,
     dump_record,
     parse_record,
@@ -234,3 +236,11 @@ def test_typed_dicts_with_random_fields_only_raise_record_error(data: dict[str, 
 def test_a_parsed_decision_keeps_its_cause() -> None:
     record = parse_record(dump_record(make(IsolateRank, caused_by=12)), Stream.DECISIONS)
     assert isinstance(record, IsolateRank) and record.caused_by == 12
+
+
+def test_a_nan_loss_survives_the_round_trip_as_plain_json() -> None:
+    record = make(StepCompleted, loss=float("nan"))
+    raw = dump_record(record)
+    assert json.loads(raw)["loss"] == "NaN"  # a string any JSON tool reads, not null
+    parsed = parse_record(raw)
+    assert isinstance(parsed, StepCompleted) and parsed.loss is not None and math.isnan(parsed.loss)
