@@ -51,6 +51,7 @@ class Agent:
         self.job_id: str = self.config.job_id
         self.log_url: str = self.config.log_url
         self._log = open_log(self.log_url)
+        self._stop = threading.Event()
 
     def run(self) -> int:
         config = self.config
@@ -103,6 +104,10 @@ class Agent:
             self._log.close()
         return outcome.exit_code
 
+    def stop(self) -> None:
+        """Ask a running job to end (from another thread): it fails and is torn down."""
+        self._stop.set()
+
     def _supervise(self, supervisor: Supervisor, actions: Actions, engine: EngineLoop) -> Outcome:
         position = 0
         world = self.config.nproc
@@ -118,6 +123,8 @@ class Agent:
                         return Outcome("failed", 1, reason)
             if supervisor.ranks_done(world):
                 return Outcome("completed", 0)
+            if self._stop.is_set():
+                return Outcome("failed", 1, "stopped")
             if engine.error is not None:
                 return Outcome("failed", 1, f"engine stopped: {engine.error!r}")
             if not supervisor.rank_down(world):

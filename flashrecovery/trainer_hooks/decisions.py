@@ -17,6 +17,7 @@ from flashrecovery.connectors.base import LogConnector
 from flashrecovery.records import (
     Decision,
     FallbackToCheckpoint,
+    IsolateRank,
     RegroupPlanned,
     ResumePlanned,
     Stream,
@@ -41,6 +42,7 @@ class DecisionFollower:
         self._regroup: RegroupPlanned | None = None  # the newest
         self._resumes: dict[int, ResumePlanned] = {}
         self._fallback: FallbackToCheckpoint | None = None
+        self._isolated: set[int] = set()  # pids the engine fenced off
         self._stop = threading.Event()
         self._parent = os.getppid()
         self._thread = threading.Thread(
@@ -58,6 +60,11 @@ class DecisionFollower:
     def latest_generation(self) -> int:
         with self._changed:
             return self._regroup.generation if self._regroup else 0
+
+    def isolated(self, pid: int) -> bool:
+        """Whether the engine declared the process failed (it must not rejoin)."""
+        with self._changed:
+            return pid in self._isolated
 
     def _run(self) -> None:
         position = 0
@@ -79,6 +86,8 @@ class DecisionFollower:
                 self._resumes[decision.generation] = decision
             elif isinstance(decision, FallbackToCheckpoint):
                 self._fallback = decision
+            elif isinstance(decision, IsolateRank) and decision.pid is not None:
+                self._isolated.add(decision.pid)
             else:
                 return
             self._changed.notify_all()

@@ -8,11 +8,14 @@ follows those decisions.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
@@ -23,6 +26,7 @@ from flashrecovery.connectors import open_log
 from flashrecovery.records import (
     CollectiveError,
     Envelope,
+    HealthReport,
     Heartbeat,
     RankFinished,
     RankJoined,
@@ -51,6 +55,10 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
 
 
+class GenerationSuperseded(Exception):
+    """A newer generation was planned while this one formed: move on to it."""
+
+
 class ReplacedError(RuntimeError):
     """The engine replaced this rank (it was declared failed); this process must stop."""
 
@@ -75,13 +83,14 @@ class Session:
         self._open_step: int | None = None
         self._step_started = 0.0
         self._rng_at_step: dict[str, Any] = {}
-        self._ballot_lock = threading.Lock()
-        self._ballot: tuple[int, str] | None = None  # (generation, vote key) being voted on
+        self._release_lock = threading.Lock()
+        # The wait in progress that only a newer generation cuts short, and how to cut it.
+        self._release: tuple[int, Callable[[dist.Store], object]] | None = None
         self._follower = DecisionFollower(self._log, env.job_id, self._on_regroup)
         self._heartbeat = HeartbeatThread(self._log, env.heartbeat_interval_s, self._beat)
         self._follower.start()
         self._heartbeat.start()
-        if env.role == "rank" and not env.replacement:
+        if env.role == "rank" and not env.replacement and self._await_members(0):
             self._group = groups.build(self._store, 0, self.rank, env.world_size)
             self._append(RankJoined, rank=self.rank, pid=self._pid, host=self._host, shard=SHARD)
 
@@ -119,12 +128,9 @@ class Session:
         extras: Mapping[str, Stateful] | None = None,
         warmup: Callable[[], object] | None = None,
     ) -> None:
-        """Hand over what defines the training state. Ranks of generation 0 start from rank
-        0's parameters (as DDP does); a spare pays its first-time costs here, then reports ready."""
+        """Hand over what defines the training state (build it identically on every rank:
+        seed first). A spare pays its first-time costs here, then reports ready."""
         self._model, self._optimizer, self._extras = model, optimizer, dict(extras or {})
-        if self._group is not None and self._generation == 0:
-            for tensor in model.state_dict().values():
-                self._group.broadcast(tensor, 0).wait()
         if self._env.role == "spare":
             if warmup is not None:
                 warmup()
@@ -140,7 +146,7 @@ class Session:
         if self._rank is None:
             self._await_assignment()
         elif self._group is None:
-            self._rejoin(self._generation)  # a fresh replacement
+            self._rejoin(self._generation)  # a fresh replacement, or generation 0 never formed
         while self._committed_step + 1 < total:
             step = self._committed_step + 1
             self._open_step, self._step_started = step, time.perf_counter()
@@ -197,20 +203,25 @@ class Session:
     def __enter__(self) -> Session:
         return self
 
-    def __exit__(self, exc_type: object, *exc: object) -> None:
-        if exc_type is None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
+        if exc is None:
             self.finish()
-        else:
-            self._close()
+            return
+        if self._rank is not None:
+            # Say so at once: the interpreter may take seconds to exit after the traceback,
+            # and the peers are stuck until the engine replaces this rank.
+            traceback.print_exception(exc)
+            sys.stderr.flush()
+            self._append(HealthReport, rank=self._rank, ok=False, detail=repr(exc)[:500])
+        self._close()
 
     # ------------------------------------------------------------------ the vote
 
     def _vote(self, step: int) -> vote.Verdict:
         key = vote.vote_key(self._generation, step)
-        with self._ballot_lock:
-            self._ballot = (self._generation, key)
-            superseded = self._follower.latest_generation > self._generation
-        try:
+        with self._releasable(lambda store: vote.close(store, key, self.world_size)) as superseded:
             verdict = vote.cast(self._store, key, self.rank, self.world_size)
             if verdict is None and superseded:
                 verdict = vote.close(self._store, key, self.world_size)
@@ -219,17 +230,26 @@ class Session:
                     verdict = vote.wait(self._store, key, groups.COLLECTIVE_TIMEOUT)
                 except dist.DistStoreError:  # nobody made it final in time: settle it here
                     verdict = vote.close(self._store, key, self.world_size)
-        finally:
-            with self._ballot_lock:
-                self._ballot = None
         return verdict
 
+    @contextlib.contextmanager
+    def _releasable(self, release: Callable[[dist.Store], object]) -> Iterator[bool]:
+        """Around a store wait of this generation that can only end well if every member
+        shows up: ``release`` (run by the decisions thread on its own store client when a
+        newer generation is planned) ends it. Yields whether that already happened."""
+        with self._release_lock:
+            self._release = (self._generation, release)
+            superseded = self._follower.latest_generation > self._generation
+        try:
+            yield superseded
+        finally:
+            with self._release_lock:
+                self._release = None
+
     def _on_regroup(self, generation: int) -> None:
-        """A newer generation is planned: a vote of an older one can never fill, so close it
-        (unless it already filled) and release the members waiting on it."""
-        with self._ballot_lock:
-            if self._ballot is not None and self._ballot[0] < generation:
-                vote.close(self._closer_store, self._ballot[1], self.world_size)
+        with self._release_lock:
+            if self._release is not None and self._release[0] < generation:
+                self._release[1](self._closer_store)
 
     # ------------------------------------------------------------------ recovery
 
@@ -249,17 +269,18 @@ class Session:
     def _recover(self) -> None:
         """A survivor's path: leave the broken generation and join the one the engine plans."""
         self._drop_group()
-        plan = self._follower.wait_regroup(self._generation, RECOVERY_TIMEOUT_S)
-        if self.rank in plan.replaced:
-            raise ReplacedError(f"rank {self.rank} was declared failed and replaced")
-        self._rejoin(plan.generation)
+        self._rejoin(self._follower.wait_regroup(self._generation, RECOVERY_TIMEOUT_S).generation)
 
     def _rejoin(self, generation: int) -> None:
         """Build ``generation``'s group, report the committed step, and carry out the resume
         plan; when another failure supersedes the generation, move on to the newer one."""
         while True:
+            if self._follower.isolated(self._pid):
+                raise ReplacedError(f"rank {self.rank} was declared failed and replaced")
             self._generation = generation
             try:
+                if not self._await_members(generation):
+                    raise GenerationSuperseded(f"generation {generation} was superseded")
                 self._group = groups.build(self._store, generation, self.rank, self.world_size)
                 self._append(
                     RankRegrouped,
@@ -272,12 +293,23 @@ class Session:
                 if isinstance(plan, ResumePlanned):
                     self._restore(plan)
                     return
+            except GenerationSuperseded:
+                pass
             except RuntimeError as exc:  # a member failed while this generation formed
                 self._append(
                     CollectiveError, rank=self.rank, step=self._committed_step, error=str(exc)[:500]
                 )
             self._drop_group()
             generation = self._follower.wait_regroup(generation, RECOVERY_TIMEOUT_S).generation
+
+    def _await_members(self, generation: int) -> bool:
+        """Whether every member reached ``generation`` (else a newer one superseded it)."""
+        with self._releasable(lambda store: groups.supersede(store, generation)) as superseded:
+            if superseded:
+                groups.supersede(self._store, generation)
+            return groups.await_members(
+                self._store, generation, self.world_size, groups.COLLECTIVE_TIMEOUT
+            )
 
     def _restore(self, plan: ResumePlanned) -> None:
         assert self._group is not None

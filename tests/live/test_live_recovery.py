@@ -1,0 +1,85 @@
+"""Live recovery of real training: a rank dies (SIGKILL, an exception, mid-vote), the job
+goes on with the survivors' processes and ends bitwise equal to a fault-free run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import WORLD, JobResult, run_job
+
+from flashrecovery.engine.replay import replay_job
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def assert_lossless(job: JobResult, reference: torch.Tensor, incidents: int) -> None:
+    assert job.exit_code == 0, job.records(type="job_finished")
+    for rank in range(WORLD):
+        assert torch.equal(job.final(rank)["params"], reference), f"rank {rank} diverged"
+    closed = job.decisions("incident_closed")
+    assert len(closed) == incidents
+    for incident in closed:
+        assert incident.rpo_steps == 0
+        assert incident.recomputed_steps <= 1
+    report = replay_job(job.log, job.job_id)
+    assert report.ok, report.divergence and report.divergence.describe()
+
+
+def assert_survivors_kept(job: JobResult, failed: set[int]) -> None:
+    """Healthy ranks never restart: the process that joined is the one that finished."""
+    joined = {r.rank: r.pid for r in job.records(type="rank_joined")}
+    for rank in set(range(WORLD)) - failed:
+        assert job.final(rank)["pid"] == joined[rank]
+    for rank in failed:
+        assert job.final(rank)["pid"] != joined[rank]
+
+
+def test_kill_with_hot_spare(tmp_path: Path, reference: torch.Tensor) -> None:
+    job = run_job(tmp_path, spares=1, kill_at={1: 8})
+    assert_lossless(job, reference, incidents=1)
+    assert_survivors_kept(job, failed={1})
+    activated = job.records(type="spare_activated")
+    assert [(a.rank, a.spare_id) for a in activated] == [(1, 0)]
+    assert job.final(1)["pid"] == activated[0].pid
+
+
+def test_kill_without_spare_spawns_a_replacement(tmp_path: Path, reference: torch.Tensor) -> None:
+    job = run_job(tmp_path, spares=0, kill_at={2: 8})
+    assert_lossless(job, reference, incidents=1)
+    assert_survivors_kept(job, failed={2})
+    spawned = job.records(type="replacement_spawned")
+    assert [s.rank for s in spawned] == [2]
+    assert job.final(2)["pid"] == spawned[0].pid
+
+
+def test_two_failures_one_of_them_an_exception(tmp_path: Path, reference: torch.Tensor) -> None:
+    job = run_job(tmp_path, spares=1, kill_at={1: 5}, faults={2: "raise@14"})
+    assert_lossless(job, reference, incidents=2)
+    assert_survivors_kept(job, failed={1, 2})
+    assert [i.failed_rank for i in job.decisions("incident_closed")] == [1, 2]
+    reports = job.records(type="health_report")
+    assert [(r.rank, r.ok) for r in reports] == [(2, False)]
+    assert "injected fault at step 14" in reports[0].detail
+
+
+def test_kill_between_reduce_and_vote(tmp_path: Path, reference: torch.Tensor) -> None:
+    """The delicate point: the survivors hold reduced gradients that include the dead rank's,
+    yet the step must not commit for anyone; it is recomputed with the replacement."""
+    job = run_job(tmp_path, spares=1, faults={0: "after_reduce@8"})
+    assert_lossless(job, reference, incidents=1)
+    assert_survivors_kept(job, failed={0})
+    committed = {(r.rank, r.step) for r in job.records(type="step_completed") if r.generation == 0}
+    assert all(step < 8 for _, step in committed)
+    resume = job.decisions("resume_planned")
+    assert [(p.resume_step, p.donors, p.recipients) for p in resume] == [(7, {0: 1}, [0])]
+
+
+def test_hung_rank_is_found_by_its_silence(tmp_path: Path, reference: torch.Tensor) -> None:
+    """A SIGSTOPped rank blocks its peers' collective; the heartbeat detector finds it, the
+    agent SIGKILLs it, which frees the peers at once."""
+    job = run_job(tmp_path, spares=1, faults={1: "hang@6"})
+    assert_lossless(job, reference, incidents=1)
+    assert_survivors_kept(job, failed={1})
+    assert [m.rank for m in job.records(type="heartbeat_missed")] == [1]
