@@ -10,7 +10,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ import torch
 
 from flashrecovery.agent import Agent, AgentConfig
 from flashrecovery.connectors import LogConnector, open_log
-from flashrecovery.records import Envelope, Stream
+from flashrecovery.records import Stream
 
 SCRIPT = Path(__file__).parent.parent / "scripts" / "train_mlp.py"
 WORLD = 3
@@ -66,12 +65,12 @@ def _alive(pid: int) -> bool:
 def run_job(
     tmp_path: Path,
     *,
+    nproc: int = WORLD,
     spares: int = 0,
     faults: dict[int, str] | None = None,
     kill_at: dict[int, int] | None = None,
-    on_event: Callable[[Envelope], None] | None = None,
 ) -> JobResult:
-    """Run the training script on WORLD ranks; ``kill_at`` maps rank -> the step after whose
+    """Run the training script on ``nproc`` ranks; ``kill_at`` maps rank -> the step after whose
     commit (as the log shows it) the rank's process is SIGKILLed from outside."""
     out = tmp_path / "out"
     out.mkdir()
@@ -79,7 +78,7 @@ def run_job(
         AgentConfig(
             script=SCRIPT,
             script_args=["--steps", str(STEPS), "--out", str(out), "--step-time", str(STEP_TIME_S)],
-            nproc=WORLD,
+            nproc=nproc,
             spares=spares,
             log_url=f"sqlite:///{tmp_path / 'log.db'}",
             job_id="live",
@@ -102,8 +101,6 @@ def run_job(
             position = entry.position + 1
             record = entry.record
             assert record is not None, entry.error
-            if on_event is not None:
-                on_event(record)
             if record.type in ("rank_joined", "spare_activated", "replacement_spawned"):
                 pids[record.rank] = record.pid
             if record.type == "step_completed" and pending.get(record.rank, STEPS) <= record.step:

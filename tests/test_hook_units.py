@@ -1,0 +1,104 @@
+"""The hook's store vote and state transfer, on a real TCPStore and real gloo groups in one
+process (two threads play two ranks)."""
+
+from __future__ import annotations
+
+import datetime
+import random
+import threading
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from flashrecovery.trainer_hooks import groups, rng, transfer, vote
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def store() -> dist.TCPStore:
+    return dist.TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=10),
+    )
+
+
+def test_vote_commits_only_when_every_member_voted(store: dist.TCPStore) -> None:
+    key = vote.vote_key(0, 5)
+    assert vote.cast(store, key, 1, 3) is None
+    assert vote.cast(store, key, 0, 3) is None
+    assert vote.cast(store, key, 2, 3) is vote.Verdict.COMMITTED
+    assert vote.close(store, key, 3) is vote.Verdict.COMMITTED  # a full vote can't be closed
+    assert vote.wait(store, key, datetime.timedelta(seconds=1)) is vote.Verdict.COMMITTED
+
+
+def test_a_closed_vote_aborts_for_everyone(store: dist.TCPStore) -> None:
+    key = vote.vote_key(1, 5)
+    assert vote.cast(store, key, 0, 3) is None
+    assert vote.close(store, key, 3) is vote.Verdict.ABORTED
+    assert vote.cast(store, key, 1, 3) is vote.Verdict.ABORTED  # can't vote on a closed vote
+    assert vote.wait(store, key, datetime.timedelta(seconds=1)) is vote.Verdict.ABORTED
+    assert vote.close(store, vote.vote_key(1, 6), 3) is vote.Verdict.ABORTED  # nobody voted yet
+
+
+def test_a_superseded_generation_releases_its_barrier(store: dist.TCPStore) -> None:
+    timeout = datetime.timedelta(seconds=5)
+    groups.supersede(store, 3)
+    assert groups.await_members(store, 3, 2, timeout) is False
+    assert groups.await_members(store, 4, 1, timeout) is True
+    groups.supersede(store, 4)  # too late: the generation formed
+    assert groups.await_members(store, 4, 1, timeout) is True
+
+
+def _two_ranks(store: dist.TCPStore, work: Any) -> list[Any]:
+    results: list[Any] = [None, None]
+
+    def rank(r: int) -> None:
+        client = groups.connect_store("127.0.0.1", store.port)  # one blocking waiter per client
+        group = groups.build(client, 0, r, 2)
+        results[r] = work(r, group)
+        groups.drop(group)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return results
+
+
+def test_transfer_moves_tensors_and_structure_exactly(store: dist.TCPStore) -> None:
+    random.seed(7)
+    state = {
+        "model": {"w": torch.randn(4, 3), "steps": torch.tensor(9), "mask": torch.ones(2) > 0},
+        "optimizer": {
+            "state": {0: {"exp_avg": torch.randn(5, dtype=torch.float64)}},
+            "param_groups": [{"lr": 0.1, "params": [0]}],
+        },
+        "rng": rng.capture(),
+        "committed_step": 41,
+    }
+
+    def work(r: int, group: groups.Group) -> Any:
+        if r == 0:
+            return transfer.send(group, 1, state)
+        return transfer.recv(group, 0)
+
+    sent, (received, size) = _two_ranks(store, work)
+    assert sent == size > 0
+    assert received["committed_step"] == 41
+    assert received["optimizer"]["param_groups"] == state["optimizer"]["param_groups"]
+    for got, want in [
+        (received["model"]["w"], state["model"]["w"]),
+        (received["model"]["steps"], state["model"]["steps"]),
+        (received["model"]["mask"], state["model"]["mask"]),
+        (received["optimizer"]["state"][0]["exp_avg"], state["optimizer"]["state"][0]["exp_avg"]),
+        (received["rng"]["torch"], state["rng"]["torch"]),
+    ]:
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    assert received["rng"]["python"] == state["rng"]["python"]
