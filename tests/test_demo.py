@@ -21,11 +21,12 @@ from flashrecovery.demo.data import batch_for
 from flashrecovery.demo.job import JobSpec
 from flashrecovery.demo.model import parameters_sha256
 from flashrecovery.demo.results import RankResult
-from flashrecovery.demo.summary import loss_curve, sparkline, summarize
+from flashrecovery.demo.summary import loss_curve, process_history, sparkline, summarize
 from flashrecovery.demo.train import build
 from flashrecovery.demo.watch import Kill
 from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.engine.simulation import SimulatedWorld, drive
+from flashrecovery.records import RankJoined, RankRegrouped, RegroupPlanned, Stream
 
 
 def test_demo_kill_recovers_bitwise_equal(tmp_path: Path) -> None:
@@ -111,3 +112,24 @@ def test_summary_of_a_scripted_recovery(tmp_path: Path) -> None:
     assert incident["replacement"] == "hot spare 0"
     assert incident["committed_steps_lost"] == 0 and incident["steps_recomputed"] == 1
     assert incident["rto_from_kill_s"] >= incident["rto_s"] > 0
+
+
+def test_a_survivor_in_a_new_process_is_an_unplanned_restart() -> None:
+    envelope = {"job_id": "j", "source": "test"}
+    with open_log("memory://") as log:
+        for rank, pid in ((0, 10), (1, 11)):
+            log.append(
+                Stream.EVENTS, RankJoined(**envelope, generation=0, rank=rank, pid=pid, host="h")
+            )
+        log.append(
+            Stream.DECISIONS,
+            RegroupPlanned(**envelope, generation=1, caused_by=2, members=[0, 1], replaced=[1]),
+        )
+        for rank, pid in ((0, 12), (1, 13)):  # rank 1 was replaced; rank 0 was not
+            log.append(
+                Stream.EVENTS,
+                RankRegrouped(**envelope, generation=1, rank=rank, committed_step=3, pid=pid),
+            )
+        joined, holder, unplanned = process_history(log, "j")
+    assert joined == {0: 10, 1: 11} and holder == {0: 12, 1: 13}
+    assert unplanned == ["rank 0: pid 10 -> 12 in generation 1"]

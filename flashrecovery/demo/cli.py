@@ -13,11 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console, Group, RenderableType
+from rich.console import Console, RenderableType
 from rich.live import Live
 from rich.progress_bar import ProgressBar
 from rich.table import Table
@@ -45,7 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--verify", action="store_true", help="also run fault-free and compare bitwise"
     )
-    parser.add_argument("--json", action="store_true", help="print the summary as JSON only")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the summary as JSON on stdout (progress goes to stderr)",
+    )
     parser.add_argument(
         "--min-step-s",
         type=float,
@@ -59,6 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def kill_plan(args: argparse.Namespace) -> list[Kill]:
     """The kills asked for, or one random kill drawn from the seed (so a rerun repeats it)."""
+    if args.nproc < 1 or args.spares < 0 or args.steps < 2:
+        raise ValueError("--nproc must be >= 1, --spares >= 0 and --steps >= 2")
     if not args.kill:
         rng = random.Random(args.seed)
         step = rng.randint(max(1, args.steps // 4), max(1, 3 * args.steps // 4))
@@ -85,7 +92,7 @@ def render(spec: JobSpec, watch: JobWatch, killer: Killer, title: str) -> Render
     for kill in killer.plan:
         grid.add_row("kill", kill.describe())
     grid.add_row("last record", watch.last_record)
-    return Group(grid)
+    return grid
 
 
 def execute(
@@ -115,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         kills = kill_plan(args)
     except ValueError as exc:
-        print(f"error: {exc}")
+        print(f"flashrecovery demo: error: {exc}", file=sys.stderr)
         return 2
     run_dir = (args.run_dir or Path("runs") / f"demo-{stamp}").resolve()
     log_url = args.log or f"sqlite://{run_dir / 'log.db'}"
@@ -142,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
         if args.verify
         else None
     )
-    console = Console(stderr=args.json, quiet=args.json)
+    console = Console(stderr=args.json)  # with --json: progress on stderr, the JSON on stdout
     plan = ", ".join(f"rank {k.rank} at step {k.step}" for k in kills)
     console.print(
         f"[bold]flashrecovery demo[/]: {spec.nproc} ranks + {spec.spares} hot spare(s), "
@@ -155,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
         with open_log(log_url) as log:
             summary = summarize(log, spec, kills, returncode, reference)
     except LogError as exc:
-        print(f"error: {exc}")
+        print(f"flashrecovery demo: error: {exc}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(summary, indent=2, sort_keys=True))
@@ -213,6 +220,8 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
     )
     pids = ", ".join(f"rank {r}: {p['joined']} → {p['final']}" for r, p in summary["pids"].items())
     console.print(f"survivors' PIDs unchanged: {_yes(summary['survivor_pids_unchanged'])} ({pids})")
+    for change in summary["unplanned_pid_changes"]:
+        console.print(f"  [red]unplanned restart[/] {change}")
     curve = summary["loss_curve"]
     losses = curve["mean_loss"]
     span = f"{losses[0]:.3f} → {losses[-1]:.3f}" if losses else "no steps"

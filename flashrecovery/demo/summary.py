@@ -19,6 +19,8 @@ from flashrecovery.records import (
     AssignSpare,
     IncidentClosed,
     RankJoined,
+    RankRegrouped,
+    RegroupPlanned,
     SpawnReplacement,
     StepCompleted,
     Stream,
@@ -71,12 +73,33 @@ def sparkline(values: list[float]) -> str:
     return "".join(SPARK[round((v - low) / span * (len(SPARK) - 1))] for v in values)
 
 
-def _joined_pids(log: LogConnector, job_id: str) -> dict[int, int]:
-    return {
-        e.record.rank: e.record.pid
-        for e in log.read(Stream.EVENTS, job_id)
-        if isinstance(e.record, RankJoined)
+def process_history(
+    log: LogConnector, job_id: str
+) -> tuple[dict[int, int], dict[int, int], list[str]]:
+    """Which process held each rank: at launch, at the end, and every change the protocol did
+    not plan. A member of a new generation must regroup in the same process unless the engine
+    named its rank as replaced; anything else is a healthy rank that restarted."""
+    replaced = {
+        e.record.generation: set(e.record.replaced)
+        for e in log.read(Stream.DECISIONS, job_id)
+        if isinstance(e.record, RegroupPlanned)
     }
+    joined: dict[int, int] = {}
+    holder: dict[int, int] = {}
+    unplanned: list[str] = []
+    for entry in log.read(Stream.EVENTS, job_id):
+        record = entry.record
+        if isinstance(record, RankJoined):
+            joined[record.rank] = holder[record.rank] = record.pid
+        elif isinstance(record, RankRegrouped):
+            planned = record.rank in replaced.get(record.generation, set())
+            if not planned and holder.get(record.rank) != record.pid:
+                unplanned.append(
+                    f"rank {record.rank}: pid {holder.get(record.rank)} -> {record.pid} "
+                    f"in generation {record.generation}"
+                )
+            holder[record.rank] = record.pid
+    return joined, holder, unplanned
 
 
 def _replacements(log: LogConnector, job_id: str) -> dict[str, str]:
@@ -146,13 +169,14 @@ def summarize(
     """The demo's verdict as plain JSON; ``ok`` is true only when every check holds."""
     found = incidents(log, spec.job_id, kills)
     results = read_results(spec.run_dir, spec.nproc)
-    joined = _joined_pids(log, spec.job_id)
-    killed_ranks = {k.rank for k in kills if k.outcome == "killed"}
+    joined, holder, unplanned = process_history(log, spec.job_id)
+    for rank, result in results.items():
+        if holder.get(rank) != result.pid:
+            unplanned.append(f"rank {rank}: pid {holder.get(rank)} -> {result.pid} at the end")
     pids = {
         rank: {"joined": joined.get(rank), "final": results[rank].pid if rank in results else None}
         for rank in range(spec.nproc)
     }
-    survivors = [r for r in range(spec.nproc) if r not in killed_ranks]
     per_rank = step_losses(log, spec.job_id)
     rows = found["incidents"]
     summary: dict[str, Any] = {
@@ -170,10 +194,8 @@ def summarize(
         "committed_steps_lost": sum(r["committed_steps_lost"] or 0 for r in rows),
         "steps_recomputed": sum(r["steps_recomputed"] or 0 for r in rows),
         "pids": pids,
-        "survivor_pids_unchanged": all(
-            pids[r]["joined"] is not None and pids[r]["joined"] == pids[r]["final"]
-            for r in survivors
-        ),
+        "survivor_pids_unchanged": not unplanned and len(joined) == spec.nproc,
+        "unplanned_pid_changes": unplanned,
         "loss_curve": loss_curve(per_rank, spec.nproc, spec.steps),
         "verify": None if reference is None else verify(log, spec, reference, per_rank),
         "commands": {

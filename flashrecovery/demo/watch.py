@@ -97,7 +97,7 @@ class Kill:
         if self.outcome == "pending":
             return f"rank {self.rank} at step {self.step} (pending)"
         if self.outcome == "missed":
-            return f"rank {self.rank} at step {self.step}: missed (process already gone)"
+            return f"rank {self.rank} at step {self.step}: missed (finished or already gone)"
         return f"rank {self.rank} (pid {self.pid}) during step {(self.committed or 0) + 1}"
 
 
@@ -126,6 +126,9 @@ class Killer:
         committed = watch.committed(kill.rank)
         if committed < kill.step - 1:
             return None
+        if committed >= self.job.spec.steps - 1:  # done training: a kill would test shutdown
+            kill.outcome = "missed"
+            return kill
         now = time.monotonic()
         self._due_since = self._due_since or now
         spare_due = self.job.spec.spares > 0 and now - self._due_since < self.spare_wait_s
