@@ -101,16 +101,17 @@ class LaunchedJob:
             return {}
         return {p.pid: p for p in children}
 
-    def kill_descendant(self, pid: int) -> bool:
-        """SIGKILL one process of this job; False if it is not (or no longer) ours."""
+    def kill_descendant(self, pid: int) -> float | None:
+        """SIGKILL one process of this job; the unix time it was sent, or None if the process
+        is not (or no longer) ours."""
         process = self.descendants().get(pid)
         if process is None:
-            return False
+            return None
         try:
             process.send_signal(signal.SIGKILL)
         except psutil.NoSuchProcess:
-            return False
-        return True
+            return None
+        return time.time()
 
     def output_tail(self, lines: int = 20) -> str:
         try:

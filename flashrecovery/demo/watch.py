@@ -98,7 +98,8 @@ class Kill:
             return f"rank {self.rank} at step {self.step} (pending)"
         if self.outcome == "missed":
             return f"rank {self.rank} at step {self.step}: missed (finished or already gone)"
-        return f"rank {self.rank} (pid {self.pid}) during step {(self.committed or 0) + 1}"
+        working_on = self.step if self.committed is None else self.committed + 1
+        return f"rank {self.rank} (pid {self.pid}) during step {working_on}"
 
 
 @dataclass
@@ -112,7 +113,7 @@ class Killer:
     job: LaunchedJob
     plan: list[Kill] = field(default_factory=list)
     spare_wait_s: float = 15.0
-    _due_since: float | None = None
+    due_since: float | None = field(default=None, init=False)  # when the next kill fell due
 
     @property
     def pending(self) -> list[Kill]:
@@ -130,15 +131,14 @@ class Killer:
             kill.outcome = "missed"
             return kill
         now = time.monotonic()
-        self._due_since = self._due_since or now
-        spare_due = self.job.spec.spares > 0 and now - self._due_since < self.spare_wait_s
+        self.due_since = self.due_since or now
+        spare_due = self.job.spec.spares > 0 and now - self.due_since < self.spare_wait_s
         if spare_due and watch.ready_spares == 0:
             return None
-        self._due_since = None
+        self.due_since = None
         kill.pid, kill.committed = watch.pid_of(kill.rank), committed
-        kill.ts = time.time()
-        killed = kill.pid is not None and self.job.kill_descendant(kill.pid)
-        kill.outcome = "killed" if killed else "missed"
+        kill.ts = None if kill.pid is None else self.job.kill_descendant(kill.pid)
+        kill.outcome = "missed" if kill.ts is None else "killed"
         return kill
 
 
