@@ -19,7 +19,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="event log URL (default: sqlite:///<cwd>/runs/<job-id>/log.db)",
     )
     parser.add_argument("--job-id", default=None, metavar="ID", help="default: generated")
-    parser.add_argument("--heartbeat-interval", type=float, default=1.0, metavar="SEC")
+    parser.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        default=1.0,
+        metavar="SEC",
+        help="seconds between a rank's heartbeats; 3 missed ones fail the rank (default 1.0)",
+    )
     parser.add_argument(
         "--output-dir",
         type=Path,

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import SCRIPT, run_job
+from livejob import SCRIPT, run_job
 
 from flashrecovery.cli import main
 from flashrecovery.connectors import open_log

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import WORLD, JobResult, run_job
+from livejob import WORLD, JobResult, run_job
 
 from flashrecovery.engine.replay import replay_job
 

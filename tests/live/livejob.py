@@ -1,0 +1,113 @@
+"""Live jobs for the tests: real processes, real SIGKILL, gloo, an sqlite log in tmp_path.
+
+``run_job`` runs the agent in a thread, follows the job's log and SIGKILLs a rank from outside
+when the log shows it committed a given step; then it checks that no process of the job is left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from flashrecovery.agent import Agent, AgentConfig
+from flashrecovery.connectors import LogConnector, open_log
+from flashrecovery.records import Stream
+
+SCRIPT = Path(__file__).parent.parent / "scripts" / "train_mlp.py"
+WORLD = 3
+STEPS = 30
+STEP_TIME_S = 0.02  # simulated compute, so that a kill lands at a known step
+HEARTBEAT_S = 1.0  # missed after 3 s: imports hold the GIL for long stretches on 2 busy cores
+JOB_TIMEOUT_S = 90.0
+
+
+@dataclass
+class JobResult:
+    exit_code: int
+    log: LogConnector
+    job_id: str
+    out: Path
+    killed: dict[int, int] = field(default_factory=dict)  # rank -> pid killed from outside
+
+    def records(self, stream: Stream = Stream.EVENTS, type: str | None = None) -> list[Any]:
+        entries = self.log.read(stream, self.job_id)
+        return [e.record for e in entries if type is None or e.record.type == type]
+
+    def decisions(self, type: str) -> list[Any]:
+        return self.records(Stream.DECISIONS, type)
+
+    def final(self, rank: int) -> dict[str, Any]:
+        """What the rank's last process wrote: its parameters and its pid."""
+        saved: dict[str, Any] = torch.load(self.out / f"rank{rank}.pt")
+        return saved
+
+    def pids(self) -> set[int]:
+        """Every process the job ever had, from the log."""
+        return {r.pid for r in self.records() if hasattr(r, "pid") and r.type != "heartbeat"}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def run_job(
+    tmp_path: Path,
+    *,
+    nproc: int = WORLD,
+    spares: int = 0,
+    faults: dict[int, str] | None = None,
+    kill_at: dict[int, int] | None = None,
+) -> JobResult:
+    """Run the training script on ``nproc`` ranks; ``kill_at`` maps rank -> the step after whose
+    commit (as the log shows it) the rank's process is SIGKILLed from outside."""
+    out = tmp_path / "out"
+    out.mkdir()
+    agent = Agent(
+        AgentConfig(
+            script=SCRIPT,
+            script_args=["--steps", str(STEPS), "--out", str(out), "--step-time", str(STEP_TIME_S)],
+            nproc=nproc,
+            spares=spares,
+            log_url=f"sqlite:///{tmp_path / 'log.db'}",
+            job_id="live",
+            heartbeat_interval_s=HEARTBEAT_S,
+            faults=faults or {},
+            output_dir=tmp_path / "output",
+        )
+    )
+    result: dict[str, int] = {}
+    thread = threading.Thread(target=lambda: result.setdefault("code", agent.run()), daemon=True)
+    thread.start()
+    log = open_log(agent.log_url)
+    pending, pids, killed = dict(kill_at or {}), {}, {}
+    position = 0
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while thread.is_alive():
+        if time.monotonic() > deadline:
+            agent.stop()
+        for entry in log.follow(Stream.EVENTS, agent.job_id, position, 0.2):
+            position = entry.position + 1
+            record = entry.record
+            assert record is not None, entry.error
+            if record.type in ("rank_joined", "spare_activated", "replacement_spawned"):
+                pids[record.rank] = record.pid
+            if record.type == "step_completed" and pending.get(record.rank, STEPS) <= record.step:
+                os.kill(pids[record.rank], signal.SIGKILL)
+                killed[record.rank] = pids[record.rank]
+                del pending[record.rank]
+    thread.join(JOB_TIMEOUT_S)
+    job = JobResult(result.get("code", -1), log, agent.job_id, out, killed)
+    left = [pid for pid in job.pids() if _alive(pid)]
+    assert not left, f"processes of the job still running: {left}"
+    return job
