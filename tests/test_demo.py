@@ -37,12 +37,12 @@ def test_demo_kill_recovers_bitwise_equal(tmp_path: Path) -> None:
         "demo",
         "--nproc", "2",
         "--spares", "1",
-        "--steps", "8",
+        "--steps", "16",  # room for the kill to wait for the spare on a busy machine
         "--kill", "1@3",
         "--verify",
         "--json",
         "--run-dir", str(tmp_path / "run"),
-        "--min-step-s", "0.05",
+        "--min-step-s", "0.1",
         "--timeout", "120",
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=280, cwd=tmp_path)
