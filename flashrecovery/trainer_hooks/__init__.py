@@ -11,12 +11,19 @@ session.finish()
 from flashrecovery.trainer_hooks.decisions import FallbackRequired
 from flashrecovery.trainer_hooks.env import LaunchError
 from flashrecovery.trainer_hooks.faults import InjectedFault
-from flashrecovery.trainer_hooks.session import ReplacedError, Session, Stateful, init
+from flashrecovery.trainer_hooks.session import (
+    ProtocolError,
+    ReplacedError,
+    Session,
+    Stateful,
+    init,
+)
 
 __all__ = [
     "FallbackRequired",
     "InjectedFault",
     "LaunchError",
+    "ProtocolError",
     "ReplacedError",
     "Session",
     "Stateful",

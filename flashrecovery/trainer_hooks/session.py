@@ -55,8 +55,8 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
 
 
-class GenerationSuperseded(Exception):
-    """A newer generation was planned while this one formed: move on to it."""
+class ProtocolError(Exception):
+    """The engine's plan contradicts this rank's state: a bug, never retried as a failure."""
 
 
 class ReplacedError(RuntimeError):
@@ -279,22 +279,19 @@ class Session:
                 raise ReplacedError(f"rank {self.rank} was declared failed and replaced")
             self._generation = generation
             try:
-                if not self._await_members(generation):
-                    raise GenerationSuperseded(f"generation {generation} was superseded")
-                self._group = groups.build(self._store, generation, self.rank, self.world_size)
-                self._append(
-                    RankRegrouped,
-                    rank=self.rank,
-                    committed_step=self._committed_step,
-                    shard=SHARD,
-                    pid=self._pid,
-                )
-                plan = self._follower.wait_resume(generation, RECOVERY_TIMEOUT_S)
-                if isinstance(plan, ResumePlanned):
-                    self._restore(plan)
-                    return
-            except GenerationSuperseded:
-                pass
+                if self._await_members(generation):
+                    self._group = groups.build(self._store, generation, self.rank, self.world_size)
+                    self._append(
+                        RankRegrouped,
+                        rank=self.rank,
+                        committed_step=self._committed_step,
+                        shard=SHARD,
+                        pid=self._pid,
+                    )
+                    plan = self._follower.wait_resume(generation, RECOVERY_TIMEOUT_S)
+                    if isinstance(plan, ResumePlanned):
+                        self._restore(plan)
+                        return
             except RuntimeError as exc:  # a member failed while this generation formed
                 self._append(
                     CollectiveError, rank=self.rank, step=self._committed_step, error=str(exc)[:500]
@@ -330,7 +327,7 @@ class Session:
                 ms=round((time.perf_counter() - started) * 1000, 3),
             )
         if self._committed_step != plan.resume_step:
-            raise RuntimeError(
+            raise ProtocolError(
                 f"rank {self.rank} holds step {self._committed_step} after the restore, "
                 f"the plan resumes after {plan.resume_step}"
             )
