@@ -57,7 +57,7 @@ def ddp_worker(rank: int, world: int, port: int, steps: int, out: str) -> None:
     """One rank of the baseline (spawned: module level, picklable arguments)."""
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=STORE_TIMEOUT)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    model, optimizer = build(seed=0)
+    model, optimizer, schedule = build(seed=0)
     ddp = DistributedDataParallel(model)
     losses: dict[int, float] = {}
     times: list[float] = []
@@ -69,6 +69,7 @@ def ddp_worker(rank: int, world: int, port: int, steps: int, out: str) -> None:
         loss.backward()
         losses[step] = loss.item()
         optimizer.step()
+        schedule.step()
         now = time.perf_counter()
         times.append(now - last)
         last = now

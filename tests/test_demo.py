@@ -9,6 +9,7 @@ the bookkeeping that verdict rests on, without starting any process.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,8 @@ from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.engine.simulation import SimulatedWorld, drive
 from flashrecovery.records import RankJoined, RankRegrouped, RegroupPlanned, Stream
 
+REPO = Path(__file__).resolve().parents[1]
+
 
 def test_demo_kill_recovers_bitwise_equal(tmp_path: Path) -> None:
     command = [
@@ -45,7 +48,11 @@ def test_demo_kill_recovers_bitwise_equal(tmp_path: Path) -> None:
         "--min-step-s", "0.1",
         "--timeout", "120",
     ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=280, cwd=tmp_path)
+    # Agent and ranks import this checkout, whichever copy the environment has installed.
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=280, cwd=tmp_path, env=env
+    )
     assert done.stdout.strip(), f"no summary; stderr:\n{done.stderr[-3000:]}"
     summary = json.loads(done.stdout)
     context = json.dumps(summary, indent=1)[:4000]

@@ -14,20 +14,30 @@ import time
 from pathlib import Path
 
 import torch
+from torch.optim.lr_scheduler import LambdaLR
 
 from flashrecovery.demo.data import BLOCK_SIZE, batch_for, vocabulary
 from flashrecovery.demo.model import GPTConfig, TinyGPT, parameters_sha256
 from flashrecovery.demo.results import RankResult
 
 LEARNING_RATE = 1e-3
+WARMUP_STEPS = 10  # linear learning-rate warm-up
 
 
-def build(seed: int) -> tuple[TinyGPT, torch.optim.Optimizer]:
-    """The same model and optimizer in every process of every run with this seed."""
+def _warmup_factor(step: int) -> float:
+    return min(1.0, (step + 1) / WARMUP_STEPS)
+
+
+def build(seed: int) -> tuple[TinyGPT, torch.optim.Optimizer, LambdaLR]:
+    """The same model, optimizer and schedule in every process of every run with this seed.
+
+    The schedule is state outside model and optimizer: registered as an extra, it shows that a
+    replacement receives user state too (a wrong learning rate would break bitwise equality)."""
     torch.set_num_threads(1)  # one thread: CPU kernels reduce in a fixed order, bitwise repeatable
     torch.manual_seed(seed)
     model = TinyGPT(GPTConfig(vocab_size=len(vocabulary()), block_size=BLOCK_SIZE))
-    return model, torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+    return model, optimizer, LambdaLR(optimizer, _warmup_factor)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -49,14 +59,14 @@ def main(argv: list[str] | None = None) -> int:
     from flashrecovery.trainer_hooks import init
 
     session = init()
-    model, optimizer = build(args.seed)
+    model, optimizer, schedule = build(args.seed)
 
     def warmup() -> None:
         x, y = batch_for(0, 0, session.world_size)
         model.loss(x, y).backward()
         model.zero_grad(set_to_none=True)
 
-    session.register(model, optimizer, warmup=warmup)
+    session.register(model, optimizer, extras={"lr_schedule": schedule}, warmup=warmup)
     losses: dict[int, float] = {}
     step_times: list[float] = []  # commit to commit: the hook's own work between steps counts
     last = time.perf_counter()
@@ -70,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         committed = session.commit(loss=loss.item())
         now = time.perf_counter()
         if committed:
+            schedule.step()
             losses[step] = loss.item()
             step_times.append(now - last)
         last = now
