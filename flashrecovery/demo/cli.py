@@ -102,12 +102,14 @@ def execute(
     with open_log(spec.log_url) as log, LaunchedJob(spec) as job:
         watch = JobWatch(log, spec.job_id)
         killer = Killer(job, kills)
-        with Live(render(spec, watch, killer, title), console=console, auto_refresh=False) as live:
+        with Live(
+            render(spec, watch, killer, title), console=console, refresh_per_second=8
+        ) as live:
 
             def show(fired: Kill | None) -> None:
                 if fired is not None:
                     live.console.print(f"[red]SIGKILL[/] {fired.describe()}")
-                live.update(render(spec, watch, killer, title), refresh=True)
+                live.update(render(spec, watch, killer, title))
 
             returncode = follow(job, watch, killer, timeout, show)
         console.line()  # Live leaves its last frame without one when output is not a terminal
