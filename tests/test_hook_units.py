@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flashrecovery.trainer_hooks import groups, rng, transfer, vote
+from flashrecovery.trainer_hooks import barrier, groups, rng, transfer, vote
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -48,11 +48,11 @@ def test_a_closed_vote_aborts_for_everyone(store: dist.TCPStore) -> None:
 
 def test_a_superseded_generation_releases_its_barrier(store: dist.TCPStore) -> None:
     timeout = datetime.timedelta(seconds=5)
-    groups.supersede(store, 3)
-    assert groups.await_members(store, 3, 2, timeout) is False
-    assert groups.await_members(store, 4, 1, timeout) is True
-    groups.supersede(store, 4)  # too late: the generation formed
-    assert groups.await_members(store, 4, 1, timeout) is True
+    barrier.supersede(store, barrier.name(3, "members"))
+    assert barrier.wait(store, barrier.name(3, "members"), 2, timeout) is False
+    assert barrier.wait(store, barrier.name(4, "members"), 1, timeout) is True
+    barrier.supersede(store, barrier.name(4, "members"))  # too late: it passed
+    assert barrier.wait(store, barrier.name(4, "members"), 1, timeout) is True
 
 
 def _two_ranks(store: dist.TCPStore, work: Any) -> list[Any]:

@@ -10,10 +10,12 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 
 import torch.distributed as dist
 
+import flashrecovery
 from flashrecovery.agent.actions import Actions
 from flashrecovery.agent.config import AgentConfig
 from flashrecovery.agent.supervisor import Child, Supervisor
@@ -140,8 +142,12 @@ class Agent:
             for k, v in os.environ.items()
             if not k.startswith("FLASHRECOVERY_") and k not in ("RANK", "LOCAL_RANK")
         }
+        # The ranks must speak the agent's protocol: import the agent's flashrecovery first.
+        package_root = str(Path(flashrecovery.__file__).resolve().parent.parent)
+        python_path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
         return {
             **inherited,
+            "PYTHONPATH": python_path,
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "WORLD_SIZE": str(self.config.nproc),

@@ -2,8 +2,10 @@
 for real at one place of the commit protocol, so tests exercise the true failure paths.
 
 Points: ``before_reduce`` and ``after_reduce`` SIGKILL the process there (after the gradients
-are reduced but before the vote completes is the delicate case); ``raise`` raises instead of
-dying; ``hang`` SIGSTOPs the process so only the detectors can find it.
+are reduced but before the vote completes is the delicate case); ``finish`` SIGKILLs it in
+``finish()`` once ``step`` is committed (the last step: lost after the job's work is done);
+``raise`` raises instead of dying; ``hang`` SIGSTOPs the process so only the detectors can find
+it.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import os
 import signal
 from dataclasses import dataclass
 
-POINTS = ("before_reduce", "after_reduce", "raise", "hang")
+POINTS = ("before_reduce", "after_reduce", "finish", "raise", "hang")
 
 
 class InjectedFault(RuntimeError):

@@ -41,29 +41,9 @@ def connect_store(host: str, port: int) -> dist.TCPStore:
     )
 
 
-def _formed(generation: int) -> str:
-    return f"gen/{generation}/formed"
-
-
-def await_members(
-    store: dist.Store, generation: int, world_size: int, timeout: datetime.timedelta
-) -> bool:
-    """Arrive at the generation's barrier and wait until every member has arrived (True) or
-    the generation was superseded (False). Only then is the group built, so a member never
-    sits in the group's own rendezvous waiting for a peer that will never come."""
-    if store.add(f"gen/{generation}/arrived", 1) == world_size:
-        store.compare_set(_formed(generation), "", "formed")
-    store.wait([_formed(generation)], timeout)
-    return store.get(_formed(generation)) == b"formed"
-
-
-def supersede(store: dist.Store, generation: int) -> None:
-    """Release the members waiting at the barrier of a generation that will never form."""
-    store.compare_set(_formed(generation), "", "superseded")
-
-
 def build(store: dist.Store, generation: int, rank: int, world_size: int) -> Group:
-    """Rendezvous with every member of ``generation`` and return its gloo group."""
+    """Rendezvous with every member of ``generation`` and return its gloo group. Call it once
+    the generation's member barrier has passed (barrier.py), so every peer is there."""
     prefixed = dist.PrefixStore(f"gen/{generation}/", store)
     return cast(Group, dist.ProcessGroupGloo(prefixed, rank, world_size, COLLECTIVE_TIMEOUT))
 

@@ -37,7 +37,7 @@ from flashrecovery.records import (
     StepCompleted,
     Stream,
 )
-from flashrecovery.trainer_hooks import groups, rng, transfer, vote
+from flashrecovery.trainer_hooks import barrier, groups, rng, transfer, vote
 from flashrecovery.trainer_hooks.decisions import DecisionFollower
 from flashrecovery.trainer_hooks.env import LaunchEnv
 from flashrecovery.trainer_hooks.gradients import ReducedGradients
@@ -90,7 +90,7 @@ class Session:
         self._heartbeat = HeartbeatThread(self._log, env.heartbeat_interval_s, self._beat)
         self._follower.start()
         self._heartbeat.start()
-        if env.role == "rank" and not env.replacement and self._await_members(0):
+        if env.role == "rank" and not env.replacement and self._barrier(0, "members"):
             self._group = groups.build(self._store, 0, self.rank, env.world_size)
             self._append(RankJoined, rank=self.rank, pid=self._pid, host=self._host, shard=SHARD)
 
@@ -195,8 +195,17 @@ class Session:
         return False
 
     def finish(self) -> None:
-        """Report this rank done and stop the session's threads."""
+        """Wait until every member is done, then report this rank finished and stop the
+        session's threads. A member lost after the last commit is replaced meanwhile like any
+        other (this rank may be its donor), so the job still ends with every rank."""
         if self._rank is not None:
+            if self._env.fault is not None:
+                self._env.fault.check("finish", self._committed_step)
+            try:
+                while not self._barrier(self._generation, "done"):
+                    self._recover()
+            except dist.DistStoreError:
+                pass  # a member never came: nothing left to train, report what this rank holds
             self._append(RankFinished, rank=self._rank, step=self._committed_step)
         self._close()
 
@@ -279,7 +288,7 @@ class Session:
                 raise ReplacedError(f"rank {self.rank} was declared failed and replaced")
             self._generation = generation
             try:
-                if self._await_members(generation):
+                if self._barrier(generation, "members"):
                     self._group = groups.build(self._store, generation, self.rank, self.world_size)
                     self._append(
                         RankRegrouped,
@@ -299,14 +308,13 @@ class Session:
             self._drop_group()
             generation = self._follower.wait_regroup(generation, RECOVERY_TIMEOUT_S).generation
 
-    def _await_members(self, generation: int) -> bool:
-        """Whether every member reached ``generation`` (else a newer one superseded it)."""
-        with self._releasable(lambda store: groups.supersede(store, generation)) as superseded:
+    def _barrier(self, generation: int, which: str) -> bool:
+        """Whether every member reached this barrier (else a newer generation superseded it)."""
+        key = barrier.name(generation, which)
+        with self._releasable(lambda store: barrier.supersede(store, key)) as superseded:
             if superseded:
-                groups.supersede(self._store, generation)
-            return groups.await_members(
-                self._store, generation, self.world_size, groups.COLLECTIVE_TIMEOUT
-            )
+                barrier.supersede(self._store, key)
+            return barrier.wait(self._store, key, self.world_size, groups.COLLECTIVE_TIMEOUT)
 
     def _restore(self, plan: ResumePlanned) -> None:
         assert self._group is not None

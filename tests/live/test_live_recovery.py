@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from livejob import WORLD, JobResult, run_job
+from livejob import STEPS, WORLD, JobResult, run_job
 
 from flashrecovery.engine.replay import replay_job
 
@@ -83,3 +83,19 @@ def test_hung_rank_is_found_by_its_silence(tmp_path: Path, reference: torch.Tens
     assert_lossless(job, reference, incidents=1)
     assert_survivors_kept(job, failed={1})
     assert [m.rank for m in job.records(type="heartbeat_missed")] == [1]
+
+
+def test_rank_lost_after_the_last_commit_is_still_replaced(
+    tmp_path: Path, reference: torch.Tensor
+) -> None:
+    """The peers wait for each other before reporting finished, so a rank that dies once the
+    work is done is replaced from a live replica and the job still ends with every rank."""
+    job = run_job(tmp_path, spares=1, faults={1: f"finish@{STEPS - 1}"})
+    assert job.exit_code == 0, job.records(type="job_finished")
+    for rank in range(WORLD):
+        assert torch.equal(job.final(rank)["params"], reference), f"rank {rank} diverged"
+    assert_survivors_kept(job, failed={1})
+    resume = job.decisions("resume_planned")
+    assert [(p.resume_step, p.recipients) for p in resume] == [(STEPS - 1, [1])]
+    report = replay_job(job.log, job.job_id)
+    assert report.ok, report.divergence and report.divergence.describe()
