@@ -9,6 +9,7 @@ follows those decisions.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import socket
@@ -45,7 +46,9 @@ from flashrecovery.trainer_hooks.groups import Group
 from flashrecovery.trainer_hooks.heartbeat import HeartbeatThread
 
 RECOVERY_TIMEOUT_S = 120.0  # longest wait for the engine's next recovery decision
-SPARE_WAIT = groups.COLLECTIVE_TIMEOUT  # a spare re-arms its wait this often while idle
+# An idle spare re-arms its wait this often (each expiry logs a c10d warning, hence long); it
+# never outlives its agent: the decisions thread ends an orphan.
+SPARE_WAIT = datetime.timedelta(minutes=10)
 SHARD = 0  # every rank is a data-parallel replica of the one shard
 
 
