@@ -246,7 +246,8 @@ class KafkaBroker:
         cluster_id = base64.urlsafe_b64encode(secrets.token_bytes(16)).decode().rstrip("=")
         fmt = [
             "java", *JVM_OPTS, "-cp", classpath, "kafka.tools.StorageTool", "format",
-            "--standalone", "-t", cluster_id, "-c", str(props),
+            # "=" form: an id may start with "-", which argparse would take for an option
+            "--standalone", f"--cluster-id={cluster_id}", "-c", str(props),
         ]  # fmt: skip
         done = subprocess.run(fmt, capture_output=True, text=True, timeout=120, check=False)
         if done.returncode != 0:
