@@ -19,6 +19,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from flashrecovery.demo.data import BLOCK_SIZE, batch_for, vocabulary
 from flashrecovery.demo.model import GPTConfig, TinyGPT, parameters_sha256
 from flashrecovery.demo.results import RankResult
+from flashrecovery.trainer_hooks import init
 
 LEARNING_RATE = 1e-3
 WARMUP_STEPS = 10  # linear learning-rate warm-up
@@ -56,15 +57,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from flashrecovery.trainer_hooks import init
-
     session = init()
     model, optimizer, schedule = build(args.seed)
 
-    def warmup() -> None:
+    def warmup() -> None:  # a spare's first forward/backward, paid before it is needed
         x, y = batch_for(0, 0, session.world_size)
-        model.loss(x, y).backward()
-        model.zero_grad(set_to_none=True)
+        model.loss(x, y).backward()  # every step starts by clearing the gradients
 
     session.register(model, optimizer, extras={"lr_schedule": schedule}, warmup=warmup)
     losses: dict[int, float] = {}
@@ -77,11 +75,12 @@ def main(argv: list[str] | None = None) -> int:
         loss = model.loss(x, y)
         loss.backward()
         time.sleep(max(0.0, args.min_step_s - (time.perf_counter() - started)))
-        committed = session.commit(loss=loss.item())
+        value = loss.item()
+        committed = session.commit(loss=value)
         now = time.perf_counter()
         if committed:
             schedule.step()
-            losses[step] = loss.item()
+            losses[step] = value
             step_times.append(now - last)
         last = now
     session.finish()  # a spare never assigned does not get here: the agent ends it
