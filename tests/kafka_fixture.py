@@ -1,7 +1,7 @@
 """The real Kafka broker for the test session: started once, stopped at the end even on failure.
 
 ``kafka_bootstrap`` gives its ``127.0.0.1:PORT``; ``kafka_log_url`` is a URL naming a fresh,
-empty log on it (a unique topic prefix). When ``FLASHRECOVERY_KAFKA_BOOTSTRAP`` is set (CI starts
+empty log on it (a unique topic prefix). When ``FLASHRECOVERY_TEST_BROKER`` is set (CI starts
 the broker with ``flashrecovery broker start`` first), the tests use that broker instead.
 """
 
@@ -28,7 +28,7 @@ def kafka_broker() -> Iterator[KafkaBroker]:
 
 @pytest.fixture(scope="session")
 def kafka_bootstrap(request: pytest.FixtureRequest) -> str:
-    external = os.environ.get("FLASHRECOVERY_KAFKA_BOOTSTRAP")
+    external = os.environ.get("FLASHRECOVERY_TEST_BROKER")
     if external:
         return external
     broker: KafkaBroker = request.getfixturevalue("kafka_broker")

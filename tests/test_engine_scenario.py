@@ -239,3 +239,47 @@ def test_engine_restart_mid_incident_finishes_with_the_same_decisions(
     final = [e.record for e in log.read(Stream.DECISIONS, JOB)]
     assert final == reference
     assert replay_job(log, JOB).ok
+
+
+def test_rank_lost_after_the_last_step_closes_its_incident_when_all_finish() -> None:
+    log = MemoryLog()
+    world = SimulatedWorld(JOB, world_size=2, spares=1)
+    engine = EngineLoop(log, JOB)
+    drive(log, engine, world, world.start())
+    drive(log, engine, world, world.train(3))
+    recovery = drive(log, engine, world, [world.kill(1)])
+    assert [d.type for d in recovery] == [
+        "isolate_rank",
+        "assign_spare",
+        "regroup_planned",
+        "resume_planned",
+    ]
+    closing = drive(log, engine, world, world.finish())  # no step left to train
+    [closed] = [d for d in closing if d.type == "incident_closed"]
+    assert closed.model_dump()["rpo_steps"] == 0
+    assert engine.state.job.state == "completed"
+    assert replay_job(log, JOB).ok
+
+
+def test_rank_that_dies_before_joining_is_replaced() -> None:
+    log = MemoryLog()
+    world = SimulatedWorld(JOB, world_size=3, spares=1)
+    engine = EngineLoop(log, JOB)
+    opening = [r for r in world.start() if not (r.type == "rank_joined" and r.rank == 1)]  # type: ignore[attr-defined]
+    drive(log, engine, world, opening)
+    assert engine.state.job.state == "starting"
+    decisions = drive(log, engine, world, [world.kill(1)])
+    assert [d.type for d in decisions] == [
+        "isolate_rank",
+        "assign_spare",
+        "regroup_planned",
+        "resume_planned",
+    ]
+    resume = decisions[-1].model_dump()
+    assert resume["resume_step"] == -1 and resume["recipients"] == [1]
+    late_joins = [r for r in SimulatedWorld(JOB, world_size=3).start() if r.type == "rank_joined"]
+    assert drive(log, engine, world, late_joins) == []
+    assert engine.state.fenced == 3  # generation-0 joins arriving after the regroup
+    drive(log, engine, world, world.train(1))
+    assert engine.state.job.state == "running"
+    assert [i.machine.state for i in engine.state.incidents] == ["closed"]

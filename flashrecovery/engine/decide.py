@@ -49,6 +49,7 @@ from flashrecovery.statemachines.rank import ALIVE, RankMachine
 
 # Records a member sends about itself in its generation; older generations are fenced.
 FENCED_TYPES = (
+    RankJoined,
     Heartbeat,
     StepCompleted,
     CollectiveError,
@@ -199,6 +200,9 @@ def _step_completed(ctx: Context, record: StepCompleted) -> None:
 def _rank_exited(ctx: Context, record: RankExited) -> None:
     state = ctx.state
     holder = next((r for r, v in state.ranks.items() if v.pid == record.pid), None)
+    if holder is None and record.rank is not None:
+        never_joined = state.ranks[record.rank].machine.state == "pending"
+        holder = record.rank if never_joined else None  # died before saying who it was
     if holder is None:
         spare = state.spares.get(record.spare_id) if record.spare_id is not None else None
         if spare is not None and spare.pid == record.pid:
@@ -257,6 +261,9 @@ def _rank_regrouped(ctx: Context, record: RankRegrouped) -> None:
     view = state.ranks[record.rank]
     if view.machine.state == "isolated":  # the replacement spoke before the agent's record
         _replacement_ready(ctx, record.rank, record.pid)
+    if view.machine.state == "pending":  # generation 0 never formed: it joins in this one
+        view.machine.fire("join", ctx.stamp)
+        view.pid, view.host = record.pid, ""
     if view.pid != record.pid:
         state.fenced += 1
         return
@@ -313,6 +320,7 @@ def _state_transferred(ctx: Context, record: StateTransferred) -> None:
 
 def _rank_finished(ctx: Context, record: RankFinished) -> None:
     ctx.state.ranks[record.rank].machine.fire("finish", ctx.stamp)
+    _maybe_close_incidents(ctx)  # a rank replaced after the last step resumes by finishing
 
 
 def _job_finished(ctx: Context, record: JobFinished) -> None:
@@ -360,7 +368,7 @@ def _fail(ctx: Context, rank: int, failure_ts: float, reason: str) -> None:
     choose its replacement and plan the next generation, in one decide step."""
     state = ctx.state
     view = state.ranks[rank]
-    if view.machine.state not in ALIVE:
+    if view.machine.state not in (*ALIVE, "pending"):
         return  # already being replaced, or finished: nothing new to decide
     if state.job.state in ("completed", "failed", "fallback"):
         raise Rejected(f"the job is {state.job.state}")
@@ -440,7 +448,10 @@ def _maybe_close_incidents(ctx: Context) -> None:
     if None in resume_steps or not resume_steps:
         return
     resume_step = max(s for s in resume_steps if s is not None)
-    if any(v.committed_step <= resume_step for v in state.ranks.values()):
+    if any(
+        v.committed_step <= resume_step and v.machine.state != "finished"
+        for v in state.ranks.values()
+    ):
         return
     for incident in state.open_incidents():
         incident.machine.fire("resumed", ctx.stamp)

@@ -28,7 +28,7 @@ class RankMachine(StateMachine):
         {"trigger": "ready", "source": "joining", "dest": "healthy"},
         {"trigger": "suspect", "source": "healthy", "dest": "suspect"},
         {"trigger": "clear", "source": "suspect", "dest": "healthy"},
-        {"trigger": "fail", "source": ALIVE, "dest": "failed"},
+        {"trigger": "fail", "source": [*ALIVE, "pending"], "dest": "failed"},
         {"trigger": "isolate", "source": "failed", "dest": "isolated"},
         {"trigger": "replace", "source": "isolated", "dest": "replaced"},
         {"trigger": "rejoin", "source": "replaced", "dest": "joining"},
