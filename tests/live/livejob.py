@@ -68,6 +68,7 @@ def run_job(
     spares: int = 0,
     faults: dict[int, str] | None = None,
     kill_at: dict[int, int] | None = None,
+    log_url: str | None = None,
 ) -> JobResult:
     """Run the training script on ``nproc`` ranks; ``kill_at`` maps rank -> the step after whose
     commit (as the log shows it) the rank's process is SIGKILLed from outside."""
@@ -79,7 +80,7 @@ def run_job(
             script_args=["--steps", str(STEPS), "--out", str(out), "--step-time", str(STEP_TIME_S)],
             nproc=nproc,
             spares=spares,
-            log_url=f"sqlite:///{tmp_path / 'log.db'}",
+            log_url=log_url or f"sqlite:///{tmp_path / 'log.db'}",
             job_id="live",
             heartbeat_interval_s=HEARTBEAT_S,
             faults=faults or {},
