@@ -38,8 +38,10 @@ def job_spec(name: str, tmp: Path, nproc: int, spares: int, steps: int) -> JobSp
 
 
 def machine() -> dict[str, Any]:
+    """Where the numbers come from; the load average tells whether others shared the cores."""
     return {
         "cpus": os.cpu_count(),
+        "loadavg_1_5_15m": os.getloadavg(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "platform": platform.platform(),
