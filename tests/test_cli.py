@@ -8,11 +8,13 @@ import sqlite3
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from flashrecovery.cli import main
 from flashrecovery.connectors import open_log
+from flashrecovery.engine.simulation import SimulatedWorld
 from flashrecovery.records import Stream
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,38 +56,23 @@ def test_events_json_lines_cover_both_streams(
     assert {r["stream"] for r in rows} == {"events", "decisions"}
 
 
-def test_events_filters(capsys: pytest.CaptureFixture[str], scripted_log: str) -> None:
-    code, out, _ = run_cli(
-        capsys,
-        "events",
-        "--log",
-        scripted_log,
-        "--job",
-        JOB,
-        "--rank",
-        "2",
-        "--type",
-        "isolate_rank",
-        "--json",
-    )
+def events_json(
+    capsys: pytest.CaptureFixture[str], url: str, *filters: str
+) -> list[dict[str, Any]]:
+    code, out, _ = run_cli(capsys, "events", "--log", url, "--job", JOB, *filters, "--json")
     assert code == 0
-    [row] = [json.loads(line) for line in out.splitlines()]
+    return [json.loads(line) for line in out.splitlines()]
+
+
+def test_events_filters(capsys: pytest.CaptureFixture[str], scripted_log: str) -> None:
+    [row] = events_json(capsys, scripted_log, "--rank", "2", "--type", "isolate_rank")
     assert row["type"] == "isolate_rank" and row["rank"] == 2
-    code, out, _ = run_cli(
-        capsys,
-        "events",
-        "--log",
-        scripted_log,
-        "--job",
-        JOB,
-        "--since",
-        str(row["caused_by"]),
-        "--stream",
-        "events",
-        "--json",
+    since = events_json(
+        capsys, scripted_log, "--since", str(row["caused_by"]), "--stream", "events"
     )
-    positions = [json.loads(line)["position"] for line in out.splitlines()]
+    positions = [r["position"] for r in since]
     assert positions and min(positions) == row["caused_by"]
+    assert {r["stream"] for r in since} == {"events"}
 
 
 def test_events_table_is_readable(capsys: pytest.CaptureFixture[str], scripted_log: str) -> None:
@@ -200,3 +187,35 @@ def test_console_script_is_installed(scripted_log: str) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["ok"]
+
+
+def test_events_follow_prints_records_as_they_arrive(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'live.db'}"
+    world = SimulatedWorld("followed", world_size=1, spares=0)
+    with open_log(url) as log:
+        first, *rest = world.start()
+        log.append(Stream.EVENTS, first)
+        follower = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "flashrecovery.cli",
+                "events",
+                "--log",
+                url,
+                "--job",
+                "followed",
+                "--follow",
+                "--json",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert follower.stdout is not None
+            assert json.loads(follower.stdout.readline())["type"] == "job_started"
+            log.append(Stream.EVENTS, rest[0])  # appended while the command is following
+            assert json.loads(follower.stdout.readline())["type"] == "rank_joined"
+        finally:
+            follower.kill()
+            follower.wait(timeout=30)
