@@ -87,11 +87,15 @@ class SpareReady(Envelope):
 
 
 class Heartbeat(Envelope):
+    """Proof of life from a rank's own thread; ``step`` is its last committed step and
+    ``waiting`` says it is inside commit(), waiting on its peers (the stall detector's clue)."""
+
     type: Literal["heartbeat"] = "heartbeat"
     rank: RankId
     step: Step
     pid: int = Field(ge=1)
     host: str
+    waiting: bool = False
 
 
 class StepCompleted(Envelope):
@@ -140,6 +144,7 @@ class StallSuspected(Envelope):
     rank: RankId
     last_step: Step
     stalled_s: float = Field(ge=0)
+    window_s: float = Field(gt=0)  # no progress for this long is a stall
 
 
 class HealthReport(Envelope):

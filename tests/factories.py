@@ -32,7 +32,7 @@ SAMPLE_FIELDS: dict[str, dict[str, Any]] = {
     "rank_exited": {"rank": 0, "pid": 1001, "signal": 9},
     "collective_error": {"rank": 1, "step": 3, "error": "peer vanished"},
     "heartbeat_missed": {"rank": 0, "last_seen_ts": T0, "silent_s": 1.5},
-    "stall_suspected": {"rank": 0, "last_step": 2, "stalled_s": 6.0},
+    "stall_suspected": {"rank": 0, "last_step": 2, "stalled_s": 6.0, "window_s": 5.0},
     "health_report": {"rank": 0, "ok": False, "detail": "ecc"},
     "spare_activated": {"spare_id": 0, "rank": 0, "pid": 2001},
     "replacement_spawned": {"rank": 0, "pid": 3001},
@@ -106,6 +106,8 @@ def valid_records(
         "last_seen_ts": st.floats(min_value=T0 - 10, max_value=T0 + 60, allow_nan=False),
         "silent_s": st.floats(min_value=0, max_value=30, allow_nan=False),
         "stalled_s": st.floats(min_value=0, max_value=30, allow_nan=False),
+        "window_s": st.floats(min_value=0.1, max_value=30, allow_nan=False),
+        "waiting": st.booleans(),
         "duration_s": st.floats(min_value=0, max_value=5, allow_nan=False),
     }
 

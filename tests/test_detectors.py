@@ -27,8 +27,13 @@ SILENT_LIMIT = 3 * 0.5  # JobStarted default missed_heartbeats x the world's int
 EPS = 1e-3
 
 
-def heartbeats(world: SimulatedWorld, ranks: list[int], ts: float) -> list[Envelope]:
-    return [make(Heartbeat, rank=r, pid=world.pids[r], step=world.committed, ts=ts) for r in ranks]
+def heartbeats(
+    world: SimulatedWorld, ranks: list[int], ts: float, waiting: bool = False
+) -> list[Envelope]:
+    return [
+        make(Heartbeat, rank=r, pid=world.pids[r], step=world.committed, ts=ts, waiting=waiting)
+        for r in ranks
+    ]
 
 
 def steps(world: SimulatedWorld, ranks: list[int], step: int, ts: float) -> list[Envelope]:
@@ -141,6 +146,43 @@ def test_a_rank_behind_its_peers_is_suspected_after_the_window(
     behind_since = state.ranks[1].last_step_ts
     assert behind_since is not None
     assert found[0].stalled_s == pytest.approx(now - behind_since)
+
+
+def test_the_rank_outside_commit_while_its_peers_wait_is_suspected_then_failed(
+    world: SimulatedWorld,
+) -> None:
+    """Synchronous data parallelism: one rank stuck in its own code holds every peer inside
+    commit() at the same step; its heartbeats go on, but it is the one not waiting."""
+    state = running_job(world, steps=3)
+    progress = world.clock
+    apply(state, heartbeats(world, [0, 2, 3], progress + 1.0, waiting=True))
+    apply(state, heartbeats(world, [1], progress + 1.0))
+    window = 5.0  # the floor: 10 x 0.2 s steps is less
+
+    assert detectors.stalled_ranks(state, progress + window) == []
+    first = detectors.stalled_ranks(state, progress + window + EPS)
+    assert [(r.rank, r.window_s) for r in first] == [(1, window)]
+    assert feed(state, first, state.position + 1) == []
+    assert state.ranks[1].machine.state == "suspect"
+    apply(state, heartbeats(world, [1], progress + window + 1.0))  # alive, still not waiting
+    assert state.ranks[1].machine.state == "suspect"
+
+    second = detectors.stalled_ranks(state, progress + 2 * window + EPS)
+    decisions = feed(state, second, state.position + 1)
+    assert [d.type for d in decisions][:1] == ["isolate_rank"]
+    assert decisions[0].model_dump()["rank"] == 1
+
+
+def test_a_suspect_that_commits_again_is_cleared(world: SimulatedWorld) -> None:
+    state = running_job(world, steps=3)
+    progress = world.clock
+    apply(state, heartbeats(world, [0, 2, 3], progress + 1.0, waiting=True))
+    apply(state, heartbeats(world, [1], progress + 1.0))
+    assert feed(state, detectors.stalled_ranks(state, progress + 6.0), state.position + 1) == []
+    assert state.ranks[1].machine.state == "suspect"
+    apply(state, steps(world, [0, 1, 2, 3], 3, progress + 6.5))  # it was only slow
+    assert state.ranks[1].machine.state == "healthy"
+    assert detectors.stalled_ranks(state, progress + 7.0) == []
 
 
 def test_no_stall_while_progress_continues(world: SimulatedWorld) -> None:

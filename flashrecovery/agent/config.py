@@ -29,6 +29,7 @@ class AgentConfig:
     log_url: str | None = None  # default: sqlite:///<cwd>/runs/<job-id>/log.db
     job_id: str | None = None  # default: generated
     heartbeat_interval_s: float = 1.0
+    stall_floor_s: float = 5.0  # no step progress this long (at least) while peers wait: stall
     faults: dict[int, str] = field(default_factory=dict)  # rank -> FLASHRECOVERY_FAULT (tests)
     output_dir: Path | None = None  # each child's stdout+stderr in its own file; else inherited
 
@@ -44,6 +45,8 @@ class AgentConfig:
             raise ConfigError(
                 f"--heartbeat-interval must be positive, got {self.heartbeat_interval_s}"
             )
+        if not self.stall_floor_s > 0:
+            raise ConfigError(f"--stall-timeout must be positive, got {self.stall_floor_s}")
         job_id = self.job_id or f"job-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         if not _JOB_ID.match(job_id):
             raise ConfigError(f"job id {job_id!r} may hold only letters, digits, '_', '.', '-'")

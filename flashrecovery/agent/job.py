@@ -68,6 +68,7 @@ class Agent:
                 world_size=config.nproc,
                 spares=config.spares,
                 heartbeat_interval_s=config.heartbeat_interval_s,
+                stall_floor_s=config.stall_floor_s,
             )
         )
         engine = EngineLoop(self.log_url, self.job_id).start()

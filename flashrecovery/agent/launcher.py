@@ -27,6 +27,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds between a rank's heartbeats; 3 missed ones fail the rank (default 1.0)",
     )
     parser.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=5.0,
+        metavar="SEC",
+        help="no step progress for max(10 x median step, SEC) while peers wait in the commit "
+        "makes the rank holding them up suspect; a second such window fails it (default 5.0)",
+    )
+    parser.add_argument(
         "--output-dir",
         type=Path,
         default=None,
@@ -67,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
                 log_url=args.log,
                 job_id=args.job_id,
                 heartbeat_interval_s=args.heartbeat_interval,
+                stall_floor_s=args.stall_timeout,
                 faults=_faults(args.fault),
                 output_dir=args.output_dir,
             )

@@ -184,7 +184,16 @@ def _heartbeat(ctx: Context, record: Heartbeat) -> None:
         ctx.state.fenced += 1  # an old process of this rank id
         return
     view.last_heartbeat_ts = record.ts
-    _clear_suspicion(ctx, view)
+    view.waiting = record.waiting
+    if not _stalled_by(ctx.state, view):
+        _clear_suspicion(ctx, view)
+
+
+def _stalled_by(state: EngineState, view: RankView) -> bool:
+    """A heartbeat proves life, not progress: a suspect behind its peers, or outside commit()
+    while a peer waits inside it, stays suspect."""
+    behind = view.committed_step < state.max_committed()
+    return behind or (not view.waiting and any(v.waiting for v in state.ranks.values()))
 
 
 def _step_completed(ctx: Context, record: StepCompleted) -> None:
@@ -192,6 +201,7 @@ def _step_completed(ctx: Context, record: StepCompleted) -> None:
     view = state.ranks[record.rank]
     view.committed_step = max(view.committed_step, record.step)
     view.last_step_ts = record.ts
+    view.waiting = False
     view.step_durations = [*view.step_durations[-(STEP_WINDOW - 1) :], record.duration_s]
     _clear_suspicion(ctx, view)
     _maybe_close_incidents(ctx)
@@ -403,6 +413,7 @@ def _fail(ctx: Context, rank: int, failure_ts: float, reason: str) -> None:
     state.resume_planned = False
     for member in state.ranks.values():
         member.regrouped_step = None
+        member.waiting = False
         if member.machine.state in ALIVE and member.machine.state != "paused":
             member.machine.fire("pause", ctx.stamp)
     for open_incident in state.open_incidents():

@@ -38,7 +38,8 @@ def silent_ranks(state: EngineState, now: float) -> list[HeartbeatMissed]:
 
 def stalled_ranks(state: EngineState, now: float) -> list[StallSuspected]:
     """While the job makes no step progress for max(k x median step, floor), suspect the ranks
-    that are behind their peers (peers that wait for them have committed more)."""
+    that hold the others up: those outside commit() while a peer waits inside it, and those
+    behind their peers. One finding per window: a rank still stalled a window later fails."""
     config = state.config
     if config is None or state.job.state != "running":
         return []
@@ -47,10 +48,15 @@ def stalled_ranks(state: EngineState, now: float) -> list[StallSuspected]:
         config.stall_factor * statistics.median(durations) if durations else 0.0,
         config.stall_floor_s,
     )
-    last_progress = max((v.last_step_ts or 0.0 for v in state.ranks.values()), default=0.0)
+    running = state.job.entered("running")
+    last_progress = max(
+        [v.last_step_ts or 0.0 for v in state.ranks.values()] + [running.ts if running else 0.0]
+    )
     if not last_progress or now - last_progress <= window:
         return []
+    watched = {r: v for r, v in state.ranks.items() if v.machine.state in WATCHED}
     top = state.max_committed()
+    peers_wait = any(v.waiting for v in watched.values())
     return [
         StallSuspected(
             job_id=state.job_id,
@@ -60,7 +66,8 @@ def stalled_ranks(state: EngineState, now: float) -> list[StallSuspected]:
             rank=rank,
             last_step=view.committed_step,
             stalled_s=round(now - (view.last_step_ts or last_progress), 6),
+            window_s=round(window, 6),
         )
-        for rank, view in sorted(state.ranks.items())
-        if view.machine.state in WATCHED and view.committed_step < top
+        for rank, view in sorted(watched.items())
+        if view.committed_step < top or (peers_wait and not view.waiting)
     ]

@@ -23,7 +23,14 @@ from flashrecovery.engine import detectors
 from flashrecovery.engine.decide import ingest
 from flashrecovery.engine.lease import LeaseBook
 from flashrecovery.engine.state import EngineState
-from flashrecovery.records import Decision, EngineLease, Envelope, Stream
+from flashrecovery.records import (
+    Decision,
+    EngineLease,
+    Envelope,
+    HeartbeatMissed,
+    StallSuspected,
+    Stream,
+)
 
 log = structlog.get_logger("flashrecovery.engine")
 RETRY_MAX_S = 2.0  # longest pause between attempts while the log is unreachable
@@ -54,7 +61,7 @@ class EngineLoop:
         self._leading = False
         self._due: list[Decision] = []  # decided, not yet written (a standby keeps them)
         self._written: set[str] = set()
-        self._reported: set[tuple[str, int, int, int | None]] = set()
+        self._reported: set[tuple[str, int, int, int | None, int]] = set()
         self._next = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -138,12 +145,19 @@ class EngineLoop:
             return []
         now = self.clock()
         found: list[Envelope] = []
-        for record in [
+        findings: list[HeartbeatMissed | StallSuspected] = [
             *detectors.silent_ranks(self.state, now),
             *detectors.stalled_ranks(self.state, now),
-        ]:
-            rank = getattr(record, "rank", -1)
-            key = (record.type, record.generation, rank, self.state.ranks[rank].pid)
+        ]
+        for record in findings:
+            rank = record.rank
+            # A stall is reported once per window it lasts (suspect, then failed).
+            windows = (
+                int(record.stalled_s // record.window_s)
+                if isinstance(record, StallSuspected)
+                else 0
+            )
+            key = (record.type, record.generation, rank, self.state.ranks[rank].pid, windows)
             if key in self._reported:
                 continue
             self.log.append(Stream.EVENTS, record)

@@ -26,6 +26,7 @@ class RankView:
     shard: int = 0
     committed_step: int = -1  # highest step this rank reported committed
     last_heartbeat_ts: float | None = None
+    waiting: bool = False  # inside commit(), waiting on peers, as its last heartbeat said
     last_step_ts: float | None = None
     step_durations: list[float] = field(default_factory=list)
     regrouped_step: int | None = None  # committed step reported for the current generation

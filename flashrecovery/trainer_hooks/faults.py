@@ -5,16 +5,18 @@ Points: ``before_reduce`` and ``after_reduce`` SIGKILL the process there (after 
 are reduced but before the vote completes is the delicate case); ``finish`` SIGKILLs it in
 ``finish()`` once ``step`` is committed (the last step: lost after the job's work is done);
 ``raise`` raises instead of dying; ``hang`` SIGSTOPs the process so only the detectors can find
-it.
+it; ``stall`` blocks the training thread forever before the step's commit while the process (and
+its heartbeats) live on, so only the stall detector can find it.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 from dataclasses import dataclass
 
-POINTS = ("before_reduce", "after_reduce", "finish", "raise", "hang")
+POINTS = ("before_reduce", "after_reduce", "finish", "raise", "hang", "stall")
 
 
 class InjectedFault(RuntimeError):
@@ -46,3 +48,5 @@ class Fault:
             raise InjectedFault(f"injected fault at step {step}")
         if where == "before_reduce" and self.point == "hang":
             os.kill(os.getpid(), signal.SIGSTOP)
+        if where == "before_reduce" and self.point == "stall":
+            threading.Event().wait()  # never set: stuck in user code until SIGKILLed

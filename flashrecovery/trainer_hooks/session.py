@@ -84,6 +84,7 @@ class Session:
         self._optimizer: torch.optim.Optimizer | None = None
         self._extras: dict[str, Stateful] = {}
         self._open_step: int | None = None
+        self._waiting = False
         self._step_started = 0.0
         self._rng_at_step: dict[str, Any] = {}
         self._release_lock = threading.Lock()
@@ -170,6 +171,7 @@ class Session:
         if fault is not None:
             fault.check("before_reduce", step)
         params = [p for p in self._model.parameters() if p.requires_grad]
+        self._waiting = True  # heartbeats now say: held up by the peers, if anyone
         try:
             reduced = ReducedGradients.reduce(self._group, params)
             if fault is not None:
@@ -179,6 +181,8 @@ class Session:
             verdict = vote.Verdict.ABORTED
         else:
             verdict = self._vote(step)
+        finally:
+            self._waiting = False
         if verdict is vote.Verdict.COMMITTED:
             reduced.apply(self.world_size)
             self._optimizer.step()
@@ -385,6 +389,7 @@ class Session:
             step=self._committed_step,
             pid=self._pid,
             host=self._host,
+            waiting=self._waiting,
         )
 
     def _close(self) -> None:

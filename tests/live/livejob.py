@@ -69,6 +69,7 @@ def run_job(
     faults: dict[int, str] | None = None,
     kill_at: dict[int, int] | None = None,
     log_url: str | None = None,
+    stall_floor_s: float = 5.0,
 ) -> JobResult:
     """Run the training script on ``nproc`` ranks; ``kill_at`` maps rank -> the step after whose
     commit (as the log shows it) the rank's process is SIGKILLed from outside."""
@@ -83,6 +84,7 @@ def run_job(
             log_url=log_url or f"sqlite:///{tmp_path / 'log.db'}",
             job_id="live",
             heartbeat_interval_s=HEARTBEAT_S,
+            stall_floor_s=stall_floor_s,
             faults=faults or {},
             output_dir=tmp_path / "output",
         )

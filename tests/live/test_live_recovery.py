@@ -85,6 +85,19 @@ def test_hung_rank_is_found_by_its_silence(tmp_path: Path, reference: torch.Tens
     assert [m.rank for m in job.records(type="heartbeat_missed")] == [1]
 
 
+def test_stalled_rank_is_found_while_its_heartbeats_go_on(
+    tmp_path: Path, reference: torch.Tensor
+) -> None:
+    """Stuck in its own code (not dead, still beating) while its peers wait in the commit."""
+    job = run_job(tmp_path, spares=1, faults={1: "stall@8"}, stall_floor_s=1.0)
+    assert_lossless(job, reference, incidents=1)
+    assert_survivors_kept(job, failed={1})
+    assert {s.rank for s in job.records(type="stall_suspected")} == {1}
+    [isolate] = job.decisions("isolate_rank")
+    assert isolate.rank == 1 and "no progress" in isolate.reason
+    assert job.records(type="heartbeat_missed") == []  # it was alive all along
+
+
 def test_rank_lost_after_the_last_commit_is_still_replaced(
     tmp_path: Path, reference: torch.Tensor
 ) -> None:
