@@ -6,6 +6,7 @@ reproduces every decision, and (with a reference run) whether the parameters are
 
 from __future__ import annotations
 
+import shlex
 import statistics
 from dataclasses import asdict
 from typing import Any
@@ -199,8 +200,8 @@ def summarize(
         "loss_curve": loss_curve(per_rank, spec.nproc, spec.steps),
         "verify": None if reference is None else verify(log, spec, reference, per_rank),
         "commands": {
-            "events": f"flashrecovery events --log {spec.log_url} --job {spec.job_id}",
-            "replay": f"flashrecovery replay --log {spec.log_url} --job {spec.job_id}",
+            "events": f"flashrecovery events --log {shlex.quote(spec.log_url)} --job {spec.job_id}",
+            "replay": f"flashrecovery replay --log {shlex.quote(spec.log_url)} --job {spec.job_id}",
         },
     }
     summary["ok"] = (
