@@ -8,12 +8,16 @@ the broker with ``flashrecovery broker start`` first), the tests use that broker
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import tempfile
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from flashrecovery.connectors.kafka_broker import KafkaBroker
+from flashrecovery.connectors.kafka_broker import KafkaBroker, ensure_jars
 
 
 @pytest.fixture(scope="session")
@@ -48,3 +52,38 @@ def fresh_prefix() -> str:
 @pytest.fixture
 def kafka_log_url(kafka_bootstrap: str) -> str:
     return kafka_url(kafka_bootstrap)
+
+
+# ------------------------------------------------------------- clients the project did not write
+
+CONSOLE_CONSUMER = "org.apache.kafka.tools.consumer.ConsoleConsumer"
+# The tool's own log lines go to stderr, so stdout holds only the records.
+LOG_TO_STDERR = """appender.err.type = Console
+appender.err.name = ERR
+appender.err.target = SYSTEM_ERR
+appender.err.layout.type = PatternLayout
+appender.err.layout.pattern = %p %m%n
+rootLogger.level = WARN
+rootLogger.appenderRef.err.ref = ERR
+"""
+INDEPENDENT_CLIENTS = ["console-consumer", *(["kcat"] if shutil.which("kcat") else [])]
+
+
+def read_topic(client: str, bootstrap: str, topic: str) -> list[tuple[str, str]]:
+    """(key, value) of every record of a topic, as Debian's kcat or the broker's own console
+    consumer reads them."""
+    with tempfile.TemporaryDirectory() as tmp:
+        if client == "kcat":
+            command = ["kcat", "-C", "-b", bootstrap, "-t", topic, "-e", "-q",
+                       "-o", "beginning", "-f", "%k\t%s\n"]  # fmt: skip
+        else:
+            config = Path(tmp) / "log4j2.properties"
+            config.write_text(LOG_TO_STDERR)
+            command = ["java", f"-Dlog4j2.configurationFile={config}",
+                       "-cp", f"{ensure_jars()}/*", CONSOLE_CONSUMER,
+                       "--bootstrap-server", bootstrap, "--topic", topic, "--from-beginning",
+                       "--timeout-ms", "10000", "--formatter-property", "print.key=true",
+                       "--formatter-property", "key.separator=\t"]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
+    lines = done.stdout.splitlines()
+    return [(key, value) for key, value in (line.split("\t", 1) for line in lines)]

@@ -47,6 +47,7 @@ _POM = """<project xmlns="http://maven.apache.org/POM/4.0.0">
 """
 _DEPENDENCIES = (
     ("org.apache.kafka", "kafka_2.13", KAFKA_VERSION),
+    ("org.apache.kafka", "kafka-tools", KAFKA_VERSION),  # the console consumer, for checks
     ("org.apache.logging.log4j", "log4j-api", LOG4J_VERSION),
     ("org.apache.logging.log4j", "log4j-core", LOG4J_VERSION),
     ("org.apache.logging.log4j", "log4j-slf4j-impl", LOG4J_VERSION),
@@ -103,22 +104,27 @@ def _locked(path: Path) -> Iterator[None]:
 
 
 def ensure_jars(version: str = KAFKA_VERSION, root: Path | None = None) -> Path:
-    """The folder holding every broker jar, fetched with Maven unless already complete."""
+    """The folder holding every broker jar, fetched with Maven unless already complete for
+    exactly this dependency list (the pom is the cache key)."""
     base = (root or cache_root()) / version
-    libs = base / "libs"
-    if (libs / _COMPLETE).exists():
+    libs, pom = base / "libs", base / "pom.xml"
+    deps = "\n".join(
+        f"    <dependency><groupId>{g}</groupId><artifactId>{a}</artifactId>"
+        f"<version>{version if g == 'org.apache.kafka' else v}</version></dependency>"
+        for g, a, v in _DEPENDENCIES
+    )
+    wanted = _POM.format(deps=deps)
+
+    def complete() -> bool:
+        return (libs / _COMPLETE).exists() and pom.exists() and pom.read_text() == wanted
+
+    if complete():
         return libs
     with _locked(base / ".lock"):
-        if (libs / _COMPLETE).exists():
+        if complete():
             return libs
         shutil.rmtree(libs, ignore_errors=True)
-        deps = "\n".join(
-            f"    <dependency><groupId>{g}</groupId><artifactId>{a}</artifactId>"
-            f"<version>{version if a == 'kafka_2.13' else v}</version></dependency>"
-            for g, a, v in _DEPENDENCIES
-        )
-        pom = base / "pom.xml"
-        pom.write_text(_POM.format(deps=deps))
+        pom.write_text(wanted)
         cmd = [
             "mvn", "-B", "-q", "-f", str(pom), "dependency:copy-dependencies",
             "-DincludeScope=runtime", f"-DoutputDirectory={libs}",
