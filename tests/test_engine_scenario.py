@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from structlog.testing import capture_logs
 
 from flashrecovery.connectors.memory import MemoryLog
 from flashrecovery.engine.loop import EngineLoop
@@ -283,3 +284,23 @@ def test_rank_that_dies_before_joining_is_replaced() -> None:
     drive(log, engine, world, world.train(1))
     assert engine.state.job.state == "running"
     assert [i.machine.state for i in engine.state.incidents] == ["closed"]
+
+
+def test_the_loop_counts_explains_and_reports_a_rejected_record() -> None:
+    log = MemoryLog()
+    world = SimulatedWorld(JOB, world_size=2, spares=0)
+    engine = EngineLoop(log, JOB)
+    drive(log, engine, world, world.start())
+    bad = log.append_raw(Stream.EVENTS, JOB, b'{"schema_version": 1, "type": "heartbeat"}')
+    with capture_logs() as logs:
+        engine.apply(log.read(Stream.EVENTS, JOB, engine.next_position))
+    [reason] = engine.state.rejected
+    assert reason.startswith("malformed: ") and "job_id" in reason
+    assert {
+        "event": "record rejected",
+        "position": bad,
+        "reason": reason,
+        "log_level": "warning",
+    } in logs
+    assert drive(log, engine, world, world.train(1)) == []  # and the engine carries on
+    assert engine.state.ranks[0].committed_step == 0

@@ -100,7 +100,7 @@ class Context:
 def ingest(state: EngineState, entry: Entry) -> list[Decision]:
     """Apply one log entry; a malformed one is counted and explained, never raised."""
     if entry.record is None:
-        state.rejected[f"malformed: {entry.error}"] += 1
+        _reject(state, f"malformed: {entry.error}")
         state.position = max(state.position, entry.position)
         return []
     return decide(state, entry.position, entry.record)
@@ -118,9 +118,14 @@ def decide(state: EngineState, position: int, record: Envelope) -> list[Decision
     try:
         _apply(ctx)
     except (Rejected, IllegalTransition) as exc:
-        state.rejected[f"{record.type}: {exc}"] += 1
+        _reject(state, f"{record.type}: {exc}")
         return []
     return ctx.decisions
+
+
+def _reject(state: EngineState, reason: str) -> None:
+    state.rejected[reason] += 1
+    state.last_rejection = reason
 
 
 def _apply(ctx: Context) -> None:

@@ -86,7 +86,12 @@ class EngineLoop:
         for entry in entries:
             if isinstance(entry.record, EngineLease):
                 self.leases.observe(entry.record)
+            rejected = self.state.rejected.total()
             self._due.extend(ingest(self.state, entry))
+            if self.state.rejected.total() > rejected:  # counted, explained, and said aloud
+                log.warning(
+                    "record rejected", position=entry.position, reason=self.state.last_rejection
+                )
             self._next = entry.position + 1
         self._flush()
         return len(entries)

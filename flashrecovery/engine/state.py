@@ -67,6 +67,7 @@ class EngineState:
     resume_planned: bool = False
     position: int = -1  # last events position applied
     rejected: Counter[str] = field(default_factory=Counter)  # reason -> count
+    last_rejection: str = ""  # the newest reason, for the loop to report
     fenced: int = 0  # records of stale generations ignored
 
     @property
