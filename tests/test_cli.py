@@ -166,14 +166,18 @@ def test_replay_of_a_doctored_sqlite_log_fails_at_the_edit(
         (["events", "--log", "nosuchscheme://x"], "unknown scheme"),
         (["events", "--log", "not a url"], "malformed"),
         (["replay", "--log", "memory://", "--job", "nope"], "no records"),
+        (["replay", "--log", "sqlite://{missing}", "--job", "j"], "no log at"),
+        (["events", "--log", "sqlite://{missing}"], "no log at"),
     ],
 )
 def test_bad_input_is_a_clear_error(
-    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: list[str], message: str
 ) -> None:
-    code, out, err = run_cli(capsys, *argv)
+    missing = tmp_path / "missing" / "log.db"
+    code, out, err = run_cli(capsys, *(a.format(missing=missing) for a in argv))
     assert code == 2
     assert message in out + err
+    assert not missing.parent.exists()  # reading tools create nothing
 
 
 def test_console_script_is_installed(scripted_log: str) -> None:

@@ -14,8 +14,10 @@ __all__ = ["Entry", "LogConnector", "LogError", "open_log"]
 SCHEMES = ("memory", "sqlite", "kafka")
 
 
-def open_log(url: str) -> LogConnector:
-    """Open the log a URL names; an unknown or malformed URL is a LogError that says why."""
+def open_log(url: str, *, must_exist: bool = False) -> LogConnector:
+    """Open the log a URL names; an unknown or malformed URL is a LogError that says why.
+    ``must_exist``: for tools that only read, a missing embedded log is an error (a mistyped
+    path must not leave an empty database behind)."""
     if not isinstance(url, str) or "://" not in url:
         raise LogError(
             f"log URL {url!r} is malformed: expected scheme://…, one of "
@@ -29,7 +31,7 @@ def open_log(url: str) -> LogConnector:
     if scheme == "sqlite":
         from flashrecovery.connectors.embedded import EmbeddedLog
 
-        return EmbeddedLog.from_url(url)
+        return EmbeddedLog.from_url(url, must_exist=must_exist)
     if scheme == "kafka":
         from flashrecovery.connectors.kafka import KafkaLog
 

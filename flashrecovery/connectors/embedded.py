@@ -129,8 +129,10 @@ class EmbeddedLog(LogConnector):
         self._connection()  # create the file and schema now, so a bad path fails at open
 
     @classmethod
-    def from_url(cls, url: str) -> EmbeddedLog:
+    def from_url(cls, url: str, *, must_exist: bool = False) -> EmbeddedLog:
         path, timeout = _parse_url(url)
+        if must_exist and not path.is_file():
+            raise LogError(f"no log at {path} (from {url})")
         return cls(path, timeout=timeout, url=url)
 
     # ------------------------------------------------------------ connections

@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     from flashrecovery.engine.report import print_replay
 
     try:
-        with open_log(args.log) as log:
+        with open_log(args.log, must_exist=True) as log:
             if args.job not in log.jobs():
                 raise LogError(f"job {args.job!r} has no records in {args.log}")
             report = replay_job(log, args.job, args.until)
