@@ -20,7 +20,7 @@ def main() -> None:
     )
     parser.add_argument("--job-id", default="scripted")
     args = parser.parse_args()
-    url = f"sqlite:///{Path(args.db).resolve()}"
+    url = f"sqlite://{Path(args.db).resolve()}"
     with open_log(url) as log:
         if args.job_id in log.jobs():
             parser.error(f"{args.db} already holds job {args.job_id!r}; choose another --job-id")

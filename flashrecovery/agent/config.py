@@ -26,7 +26,7 @@ class AgentConfig:
     script_args: list[str] = field(default_factory=list)
     nproc: int = 1
     spares: int = 0
-    log_url: str | None = None  # default: sqlite:///<cwd>/runs/<job-id>/log.db
+    log_url: str | None = None  # default: sqlite://<cwd>/runs/<job-id>/log.db
     job_id: str | None = None  # default: generated
     heartbeat_interval_s: float = 1.0
     stall_floor_s: float = 5.0  # no step progress this long (at least) while peers wait: stall
@@ -57,7 +57,7 @@ class AgentConfig:
                 Fault.parse(spec)
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
-        log_url = self.log_url or f"sqlite:///{Path.cwd() / 'runs' / job_id / 'log.db'}"
+        log_url = self.log_url or f"sqlite://{Path.cwd() / 'runs' / job_id / 'log.db'}"
         if urlsplit(log_url).scheme == "memory":
             raise ConfigError("memory:// logs live in one process; the ranks need sqlite or kafka")
         if self.log_url is None:

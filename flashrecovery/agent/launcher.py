@@ -16,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--log",
         default=None,
         metavar="URL",
-        help="event log URL (default: sqlite:///<cwd>/runs/<job-id>/log.db)",
+        help="event log URL (default: sqlite://<cwd>/runs/<job-id>/log.db)",
     )
     parser.add_argument("--job-id", default=None, metavar="ID", help="default: generated")
     parser.add_argument(
