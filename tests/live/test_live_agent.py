@@ -85,7 +85,7 @@ def test_sigterm_tears_down_every_process(tmp_path: Path) -> None:
     try:
         assert agent.stderr is not None
         banner = agent.stderr.readline()
-        url = f"sqlite:///{tmp_path / 'runs' / 'term' / 'log.db'}"
+        url = f"sqlite://{tmp_path / 'runs' / 'term' / 'log.db'}"
         assert banner.strip() == f"flashrecovery: job term, log {url}"
         log = open_log(url)
         seen: set[str] = set()
