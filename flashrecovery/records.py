@@ -64,6 +64,7 @@ class JobStarted(Envelope):
     missed_heartbeats: int = Field(default=3, ge=1)  # heartbeat missed after N x interval
     stall_factor: float = Field(default=10.0, gt=0)  # stall after max(k x median step, floor)
     stall_floor_s: float = Field(default=5.0, gt=0)
+    startup_grace_s: float = Field(default=120.0, gt=0)  # a new process's time to first beat
     shards: int = Field(default=1, ge=1)  # distinct model shards; ranks of one shard are replicas
 
 

@@ -16,8 +16,10 @@ from flashrecovery.records import (
     Heartbeat,
     HeartbeatMissed,
     IsolateRank,
+    RankExited,
     RankFinished,
     RegroupPlanned,
+    ReplacementSpawned,
     StallSuspected,
     StepCompleted,
     Stream,
@@ -31,7 +33,15 @@ def heartbeats(
     world: SimulatedWorld, ranks: list[int], ts: float, waiting: bool = False
 ) -> list[Envelope]:
     return [
-        make(Heartbeat, rank=r, pid=world.pids[r], step=world.committed, ts=ts, waiting=waiting)
+        make(
+            Heartbeat,
+            rank=r,
+            pid=world.pids[r],
+            step=world.committed,
+            ts=ts,
+            waiting=waiting,
+            generation=world.generation,
+        )
         for r in ranks
     ]
 
@@ -101,12 +111,35 @@ def test_a_finished_rank_is_not_watched(world: SimulatedWorld) -> None:
     assert detectors.silent_ranks(state, last + SILENT_LIMIT + EPS) == []
 
 
-def test_ranks_in_a_recovery_are_not_watched(world: SimulatedWorld) -> None:
-    state, last = silent_rank_2(world)
-    decisions = feed(state, [world.kill(1)], state.position + 1)
+def test_ranks_in_a_recovery_are_watched_from_the_regroup_on(world: SimulatedWorld) -> None:
+    """A survivor that hangs while the job regroups is found like any other (its peers would
+    wait for it forever); the silence counts from the regroup decision."""
+    state, _ = silent_rank_2(world)
+    kill = world.kill(1)
+    decisions = feed(state, [kill], state.position + 1)
     assert decisions[0].type == "isolate_rank"
     assert {state.ranks[r].machine.state for r in (0, 2, 3)} == {"paused"}
-    assert detectors.silent_ranks(state, last + 100.0) == []
+    assert detectors.silent_ranks(state, kill.ts + SILENT_LIMIT) == []
+    found = detectors.silent_ranks(state, kill.ts + SILENT_LIMIT + EPS)
+    assert [r.rank for r in found] == [0, 2, 3]  # none of them beat since the regroup
+    world.generation = 1  # the survivors beat from the new generation on
+    apply(state, heartbeats(world, [0, 3], kill.ts + 1.0))
+    assert [r.rank for r in detectors.silent_ranks(state, kill.ts + SILENT_LIMIT + EPS)] == [2]
+
+
+def test_a_fresh_replacement_has_a_start_up_grace() -> None:
+    state = running_job(SimulatedWorld(JOB, world_size=2, spares=0), steps=1)
+    config = state.config
+    assert config is not None
+    view = state.ranks[1]
+    exited = make(RankExited, rank=1, pid=view.pid, signal=9, ts=view.last_heartbeat_ts)
+    assert [d.type for d in feed(state, [exited], state.position + 1)][1] == "spawn_replacement"
+    spawned = make(ReplacementSpawned, rank=1, pid=4242, generation=1, ts=exited.ts + 0.1)
+    feed(state, [spawned], state.position + 1)
+    limit_passed = spawned.ts + SILENT_LIMIT + EPS
+    assert 1 not in [r.rank for r in detectors.silent_ranks(state, limit_passed)]
+    after_grace = spawned.ts + config.startup_grace_s + EPS
+    assert 1 in [r.rank for r in detectors.silent_ranks(state, after_grace)]
 
 
 def test_nothing_is_watched_before_the_start_or_after_the_end(world: SimulatedWorld) -> None:
@@ -247,6 +280,6 @@ def test_loop_reports_a_silent_rank_once_and_the_engine_isolates_it(
     assert "no heartbeat" in isolate.reason
     assert (regroup.generation, regroup.members, regroup.replaced) == (1, [0, 1, 2, 3], [2])
 
-    now[0] += 100.0
-    assert engine.detect() == []  # nobody is watched while the job regroups
+    now[0] += 0.5
+    assert engine.detect() == []  # survivors are timed from the regroup on, not before it
     assert len(log.read(Stream.EVENTS, JOB)) == len(events)

@@ -11,7 +11,7 @@ from flashrecovery.connectors.memory import MemoryLog
 from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.engine.replay import replay_job
 from flashrecovery.engine.simulation import SimulatedWorld, drive, scripted_failure
-from flashrecovery.records import Decision, Envelope, Stream
+from flashrecovery.records import Decision, Envelope, RankExited, Stream
 
 JOB = "scripted"
 VOLATILE = {"schema_version", "record_id", "job_id", "source", "ts"}
@@ -304,3 +304,59 @@ def test_the_loop_counts_explains_and_reports_a_rejected_record() -> None:
     } in logs
     assert drive(log, engine, world, world.train(1)) == []  # and the engine carries on
     assert engine.state.ranks[0].committed_step == 0
+
+
+def test_a_spare_that_dies_before_taking_over_is_replaced_in_turn() -> None:
+    log = MemoryLog()
+    world = SimulatedWorld(JOB, world_size=2, spares=1)
+    engine = EngineLoop(log, JOB)
+    drive(log, engine, world, world.start())
+    drive(log, engine, world, world.train(2))
+    for record in [world.kill(1)]:
+        log.append(Stream.EVENTS, record)
+    engine.apply(log.read(Stream.EVENTS, JOB, engine.next_position))
+    assign = next(
+        e.record for e in log.read(Stream.DECISIONS, JOB) if e.record.type == "assign_spare"
+    )
+    spare_pid = world.spare_pids[assign.spare_id]  # type: ignore[union-attr]
+    died = RankExited(
+        job_id=JOB, generation=1, source="agent", ts=world.clock + 0.01, rank=1, spare_id=0,
+        pid=spare_pid, signal=9,
+    )  # fmt: skip
+    log.append(Stream.EVENTS, died)
+    engine.apply(log.read(Stream.EVENTS, JOB, engine.next_position))
+    types = [e.record.type for e in log.read(Stream.DECISIONS, JOB) if e.record]
+    assert types == ["isolate_rank", "assign_spare", "regroup_planned", "spawn_replacement"]
+    assert engine.state.spares[0].status == "gone"
+    assert engine.state.ranks[1].pid is None  # the fresh process names itself when spawned
+
+
+def test_a_replacement_that_regroups_before_the_agent_reports_it_is_no_rejection() -> None:
+    log = MemoryLog()
+    world = SimulatedWorld(JOB, world_size=2, spares=1)
+    engine = EngineLoop(log, JOB)
+    drive(log, engine, world, world.start())
+    drive(log, engine, world, world.train(2))
+    decisions = drive(log, engine, world, [world.kill(1)])
+    assert [d.type for d in decisions][-1] == "resume_planned"
+    events = [e.record for e in log.read(Stream.EVENTS, JOB)]
+    activated = next(r for r in events if r.type == "spare_activated")
+    reordered = MemoryLog()  # the same records, the agent's report after the regroup records
+    rest = [r for r in events if r is not activated]
+    position = rest.index(next(r for r in rest if r.type == "rank_regrouped" and r.rank == 1))  # type: ignore[union-attr]
+    for record in [*rest[: position + 1], activated, *rest[position + 1 :]]:
+        reordered.append(Stream.EVENTS, record)
+    report = replay_job(reordered, JOB)
+    assert not report.state.rejected
+    assert report.state.ranks[1].machine.state == "healthy"
+
+
+def test_a_failure_once_ranks_have_finished_opens_no_incident() -> None:
+    log = MemoryLog()
+    world = SimulatedWorld(JOB, world_size=2, spares=1)
+    engine = EngineLoop(log, JOB)
+    drive(log, engine, world, world.start())
+    drive(log, engine, world, world.train(2))
+    finished, _, _ = world.finish()
+    assert drive(log, engine, world, [finished, world.kill(1)]) == []
+    assert engine.state.incidents == []

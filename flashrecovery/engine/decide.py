@@ -158,7 +158,10 @@ def _job_started(ctx: Context, record: JobStarted) -> None:
     if state.config is not None:
         raise Rejected("the job has already started")
     state.config = record
-    state.ranks = {r: RankView(RankMachine(f"rank:{r}")) for r in range(record.world_size)}
+    state.ranks = {
+        r: RankView(RankMachine(f"rank:{r}"), grace_until_ts=record.ts + record.startup_grace_s)
+        for r in range(record.world_size)
+    }
 
 
 def _rank_joined(ctx: Context, record: RankJoined) -> None:
@@ -170,7 +173,7 @@ def _rank_joined(ctx: Context, record: RankJoined) -> None:
     view.machine.fire("join", ctx.stamp)
     view.machine.fire("ready", ctx.stamp)
     view.pid, view.host, view.shard = record.pid, record.host, record.shard
-    view.last_heartbeat_ts = record.ts
+    view.last_heartbeat_ts, view.grace_until_ts = record.ts, None
     if state.job.state == "starting" and all(
         v.machine.state == "healthy" for v in state.ranks.values()
     ):
@@ -185,10 +188,12 @@ def _spare_ready(ctx: Context, record: SpareReady) -> None:
 
 def _heartbeat(ctx: Context, record: Heartbeat) -> None:
     view = ctx.state.ranks[record.rank]
+    if view.machine.state == "pending" and view.pid is None:
+        view.pid = record.pid  # alive before it could join: its process is known from now on
     if view.pid != record.pid:
         ctx.state.fenced += 1  # an old process of this rank id
         return
-    view.last_heartbeat_ts = record.ts
+    view.last_heartbeat_ts, view.grace_until_ts = record.ts, None  # alive: the grace is over
     view.waiting = record.waiting
     if not _stalled_by(ctx.state, view):
         _clear_suspicion(ctx, view)
@@ -228,6 +233,12 @@ def _rank_exited(ctx: Context, record: RankExited) -> None:
     view = state.ranks[holder]
     if view.machine.state == "finished":
         return
+    if view.machine.state == "isolated":  # its replacement died before taking over
+        if record.spare_id in state.spares:
+            state.spares[record.spare_id].status = "gone"
+        incident = next(i for i in reversed(state.open_incidents()) if i.failed_rank == holder)
+        _choose_replacement(ctx, holder, incident.incident_id)
+        return
     how = f"signal {record.signal}" if record.signal is not None else f"code {record.exit_code}"
     _fail(ctx, holder, record.ts, f"process {record.pid} exited ({how})")
 
@@ -264,18 +275,18 @@ def _spare_activated(ctx: Context, record: SpareActivated) -> None:
     if spare is None:
         raise Rejected(f"spare {record.spare_id} never reported ready")
     spare.status = "assigned"
-    _replacement_ready(ctx, record.rank, record.pid)
+    _replacement_ready(ctx, record.rank, record.pid, warm=True)
 
 
 def _replacement_spawned(ctx: Context, record: ReplacementSpawned) -> None:
-    _replacement_ready(ctx, record.rank, record.pid)
+    _replacement_ready(ctx, record.rank, record.pid, warm=False)
 
 
 def _rank_regrouped(ctx: Context, record: RankRegrouped) -> None:
     state = ctx.state
     view = state.ranks[record.rank]
-    if view.machine.state == "isolated":  # the replacement spoke before the agent's record
-        _replacement_ready(ctx, record.rank, record.pid)
+    if view.machine.state == "isolated" and view.pid in (None, record.pid):
+        _replacement_ready(ctx, record.rank, record.pid, warm=True)  # spoke before the agent
     if view.machine.state == "pending":  # generation 0 never formed: it joins in this one
         view.machine.fire("join", ctx.stamp)
         view.pid, view.host = record.pid, ""
@@ -387,6 +398,8 @@ def _fail(ctx: Context, rank: int, failure_ts: float, reason: str) -> None:
         return  # already being replaced, or finished: nothing new to decide
     if state.job.state in ("completed", "failed", "fallback"):
         raise Rejected(f"the job is {state.job.state}")
+    if any(v.machine.state == "finished" for v in state.ranks.values()):
+        return  # every step is committed everywhere: the job is ending, nothing to recover
     incident = Incident(
         incident_id=f"{state.job_id}-incident-{len(state.incidents) + 1}",
         failed_rank=rank,
@@ -405,14 +418,7 @@ def _fail(ctx: Context, rank: int, failure_ts: float, reason: str) -> None:
     state.job.fire("isolate", ctx.stamp)
 
     state.generation += 1
-    spare_id = planner.choose_spare(state)
-    if spare_id is not None:
-        ctx.emit(AssignSpare, rank=rank, spare_id=spare_id, incident_id=incident.incident_id)
-        state.spares[spare_id].status = "assigned"
-        view.pid = state.spares[spare_id].pid
-    else:
-        ctx.emit(SpawnReplacement, rank=rank, incident_id=incident.incident_id)
-        view.pid = None
+    _choose_replacement(ctx, rank, incident.incident_id)
     view.committed_step = -1
     state.needs_state.add(rank)
     state.resume_planned = False
@@ -421,6 +427,7 @@ def _fail(ctx: Context, rank: int, failure_ts: float, reason: str) -> None:
         member.waiting = False
         if member.machine.state in ALIVE and member.machine.state != "paused":
             member.machine.fire("pause", ctx.stamp)
+            member.last_heartbeat_ts = ctx.record.ts  # silence is timed from the regroup on
     for open_incident in state.open_incidents():
         open_incident.generation = state.generation
     ctx.emit(
@@ -432,12 +439,32 @@ def _fail(ctx: Context, rank: int, failure_ts: float, reason: str) -> None:
     state.job.fire("regroup", ctx.stamp)
 
 
-def _replacement_ready(ctx: Context, rank: int, pid: int) -> None:
-    view = ctx.state.ranks[rank]
+def _choose_replacement(ctx: Context, rank: int, incident_id: str) -> None:
+    """A ready spare if there is one, else a fresh process; the rank's pid becomes the spare's
+    at once, so that its death before it takes over is recognised."""
+    state, view = ctx.state, ctx.state.ranks[rank]
+    spare_id = planner.choose_spare(state)
+    if spare_id is not None:
+        ctx.emit(AssignSpare, rank=rank, spare_id=spare_id, incident_id=incident_id)
+        state.spares[spare_id].status = "assigned"
+        view.pid = state.spares[spare_id].pid
+    else:
+        ctx.emit(SpawnReplacement, rank=rank, incident_id=incident_id)
+        view.pid = None
+
+
+def _replacement_ready(ctx: Context, rank: int, pid: int, *, warm: bool) -> None:
+    """The replacement process holds the rank now. A warm spare heartbeats at once; a fresh
+    process gets the start-up grace before its silence counts."""
+    state, view = ctx.state, ctx.state.ranks[rank]
     if view.machine.state != "isolated":
+        if view.pid == pid:
+            return  # the replacement's own regroup record came first
         raise Rejected(f"rank {rank} is {view.machine.state}, not waiting for a replacement")
     view.pid = pid
-    view.last_heartbeat_ts = None
+    view.last_heartbeat_ts = ctx.record.ts
+    config = state.config
+    view.grace_until_ts = None if warm or config is None else ctx.record.ts + config.startup_grace_s
     view.machine.fire("replace", ctx.stamp)
     view.machine.fire("rejoin", ctx.stamp)
     for incident in ctx.state.open_incidents():

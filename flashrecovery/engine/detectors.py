@@ -7,20 +7,24 @@ import statistics
 
 from flashrecovery.engine.state import EngineState
 from flashrecovery.records import HeartbeatMissed, StallSuspected
+from flashrecovery.statemachines.rank import ALIVE
 
-WATCHED = ("healthy", "suspect")  # ranks expected to heartbeat and progress
+WATCHED = ("healthy", "suspect")  # ranks expected to progress
+BEATING = ("pending", *ALIVE)  # processes expected to heartbeat (a recovery included)
 
 
 def silent_ranks(state: EngineState, now: float) -> list[HeartbeatMissed]:
-    """Ranks with no heartbeat for missed_heartbeats x interval."""
+    """Processes with no heartbeat for missed_heartbeats x interval, in any state in which they
+    should beat (a hang during a recovery too), once a starting process's grace is over."""
     config = state.config
     if config is None or state.job.state in ("completed", "failed", "fallback"):
         return []
     limit = config.missed_heartbeats * config.heartbeat_interval_s
     found = []
     for rank, view in sorted(state.ranks.items()):
-        last = view.last_heartbeat_ts
-        if view.machine.state not in WATCHED or last is None or now - last <= limit:
+        last = view.last_heartbeat_ts if view.last_heartbeat_ts is not None else config.ts
+        in_grace = view.grace_until_ts is not None and now <= view.grace_until_ts
+        if view.machine.state not in BEATING or in_grace or now - last <= limit:
             continue
         found.append(
             HeartbeatMissed(

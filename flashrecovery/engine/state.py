@@ -26,6 +26,8 @@ class RankView:
     shard: int = 0
     committed_step: int = -1  # highest step this rank reported committed
     last_heartbeat_ts: float | None = None
+    grace_until_ts: float | None = None  # a starting process is not missed before this, or
+    # before its first sign of life (heartbeat, join)
     waiting: bool = False  # inside commit(), waiting on peers, as its last heartbeat said
     last_step_ts: float | None = None
     step_durations: list[float] = field(default_factory=list)
