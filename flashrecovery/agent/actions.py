@@ -40,9 +40,14 @@ class Actions:
         self._report = report
         self._job_id = job_id
         self._spares = spares  # the pool size to keep
+        self._done: set[str] = set()  # decision ids carried out (ids are deterministic)
 
     def apply(self, decision: Decision) -> str | None:
-        """Carry out one decision; returns why the job must end, if it must."""
+        """Carry out one decision, once even if the log holds it twice (two engines around a
+        lease handover); returns why the job must end, if it must."""
+        if decision.record_id in self._done:
+            return None
+        self._done.add(decision.record_id)
         if isinstance(decision, IsolateRank):
             if decision.kill and decision.pid is not None:
                 self._supervisor.kill(decision.pid)

@@ -13,16 +13,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
+import structlog
 import torch.distributed as dist
 
 import flashrecovery
 from flashrecovery.agent.actions import Actions
 from flashrecovery.agent.config import AgentConfig
 from flashrecovery.agent.supervisor import Child, Supervisor
-from flashrecovery.connectors import open_log
+from flashrecovery.connectors import LogError, open_log
 from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.records import Decision, Envelope, JobFinished, JobStarted, RankExited, Stream
 
+log = structlog.get_logger("flashrecovery.agent")
 FOLLOW_TIMEOUT_S = 0.1  # how often the agent looks at its children between decisions
 STORE_TIMEOUT = datetime.timedelta(seconds=60)
 STUCK_AFTER_S = 120.0  # a rank has had no live process this long: nothing will recover it
@@ -91,6 +93,18 @@ class Agent:
             outcome = Outcome("failed", 128 + exc.signum, f"interrupted by signal {exc.signum}")
         finally:
             _ignore_signals(previous)  # a second Ctrl-C must not cut the teardown short
+            try:
+                supervisor.teardown()  # first: no child may outlive an unreachable log
+            finally:
+                self._finish_report(outcome, engine)
+                engine.stop()
+                _restore_signals(previous)
+                self._log.close()
+        return outcome.exit_code
+
+    def _finish_report(self, outcome: Outcome, engine: EngineLoop) -> None:
+        """Append JobFinished if the log can take it; the exit code says the outcome anyway."""
+        try:
             self._report(
                 JobFinished(
                     job_id=self.job_id,
@@ -101,11 +115,8 @@ class Agent:
                     detail=outcome.detail,
                 )
             )
-            supervisor.teardown()
-            engine.stop()
-            _restore_signals(previous)
-            self._log.close()
-        return outcome.exit_code
+        except LogError as exc:
+            log.error("could not record the end of the job", error=str(exc))
 
     def stop(self) -> None:
         """Ask a running job to end (from another thread): it fails and is torn down."""
@@ -116,9 +127,15 @@ class Agent:
         world = self.config.nproc
         down_since: float | None = None
         while True:
-            for entry in self._log.follow(
-                Stream.DECISIONS, self.job_id, position, FOLLOW_TIMEOUT_S
-            ):
+            try:
+                entries = self._log.follow(
+                    Stream.DECISIONS, self.job_id, position, FOLLOW_TIMEOUT_S
+                )
+            except LogError as exc:  # the log is briefly away: the children train on
+                log.warning("log unavailable, retrying", error=str(exc))
+                self._stop.wait(FOLLOW_TIMEOUT_S)
+                entries = []
+            for entry in entries:
                 position = entry.position + 1
                 if isinstance(entry.record, Decision):
                     reason = actions.apply(entry.record)

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar, cast
 
-from flashrecovery.connectors.base import LogConnector
+from flashrecovery.connectors.base import LogConnector, LogError
 from flashrecovery.records import (
     Decision,
     FallbackToCheckpoint,
@@ -44,6 +44,7 @@ class DecisionFollower:
         self._fallback: FallbackToCheckpoint | None = None
         self._isolated: set[int] = set()  # pids the engine fenced off
         self._stop = threading.Event()
+        self._last_error: LogError | None = None  # said when a wait for a decision times out
         self._parent = os.getppid()
         self._thread = threading.Thread(
             target=self._run, name="flashrecovery-decisions", daemon=True
@@ -71,7 +72,14 @@ class DecisionFollower:
         while not self._stop.is_set():
             if os.getppid() != self._parent:
                 os._exit(70)  # the agent is gone: nobody can regroup or reap us
-            entries = self._log.follow(Stream.DECISIONS, self._job_id, position, FOLLOW_TIMEOUT_S)
+            try:
+                entries = self._log.follow(
+                    Stream.DECISIONS, self._job_id, position, FOLLOW_TIMEOUT_S
+                )
+            except LogError as exc:  # the log is briefly away: keep following
+                self._last_error = exc
+                self._stop.wait(FOLLOW_TIMEOUT_S)
+                continue
             for entry in entries:
                 position = entry.position + 1
                 if isinstance(entry.record, Decision):
@@ -107,7 +115,12 @@ class DecisionFollower:
                     return found
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"no recovery decision within {timeout:.0f}s")
+                    why = (
+                        f" (the log last failed with: {self._last_error})"
+                        if self._last_error
+                        else ""
+                    )
+                    raise TimeoutError(f"no recovery decision within {timeout:.0f}s{why}")
                 self._changed.wait(left)
 
     def wait_regroup(self, after: int, timeout: float) -> RegroupPlanned:

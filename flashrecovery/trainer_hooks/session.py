@@ -94,9 +94,15 @@ class Session:
         self._heartbeat = HeartbeatThread(self._log, env.heartbeat_interval_s, self._beat)
         self._follower.start()
         self._heartbeat.start()
-        if env.role == "rank" and not env.replacement and self._barrier(0, "members"):
-            self._group = groups.build(self._store, 0, self.rank, env.world_size)
-            self._append(RankJoined, rank=self.rank, pid=self._pid, host=self._host, shard=SHARD)
+        try:
+            if env.role == "rank" and not env.replacement and self._barrier(0, "members"):
+                self._group = groups.build(self._store, 0, self.rank, env.world_size)
+                self._append(
+                    RankJoined, rank=self.rank, pid=self._pid, host=self._host, shard=SHARD
+                )
+        except BaseException:
+            self._close()  # no thread or connection outlives a session that never started
+            raise
 
     # ------------------------------------------------------------------ properties
 
