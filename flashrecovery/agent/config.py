@@ -30,6 +30,7 @@ class AgentConfig:
     job_id: str | None = None  # default: generated
     heartbeat_interval_s: float = 1.0
     stall_floor_s: float = 5.0  # no step progress this long (at least) while peers wait: stall
+    external_engine: bool = False  # decisions come from `flashrecovery engine` services
     faults: dict[int, str] = field(default_factory=dict)  # rank -> FLASHRECOVERY_FAULT (tests)
     output_dir: Path | None = None  # each child's stdout+stderr in its own file; else inherited
 

@@ -56,6 +56,7 @@ class Agent:
         self.log_url: str = self.config.log_url
         self._log = open_log(self.log_url)
         self._stop = threading.Event()
+        self._generation = 0  # the newest generation a decision named
 
     def run(self) -> int:
         config = self.config
@@ -73,7 +74,7 @@ class Agent:
                 stall_floor_s=config.stall_floor_s,
             )
         )
-        engine = EngineLoop(self.log_url, self.job_id).start()
+        engine = None if config.external_engine else EngineLoop(self.log_url, self.job_id).start()
         supervisor = Supervisor(
             [sys.executable, str(config.script), *config.script_args],
             self._child_env(store.port),
@@ -96,19 +97,20 @@ class Agent:
             try:
                 supervisor.teardown()  # first: no child may outlive an unreachable log
             finally:
-                self._finish_report(outcome, engine)
-                engine.stop()
+                self._finish_report(outcome)
+                if engine is not None:
+                    engine.stop()
                 _restore_signals(previous)
                 self._log.close()
         return outcome.exit_code
 
-    def _finish_report(self, outcome: Outcome, engine: EngineLoop) -> None:
+    def _finish_report(self, outcome: Outcome) -> None:
         """Append JobFinished if the log can take it; the exit code says the outcome anyway."""
         try:
             self._report(
                 JobFinished(
                     job_id=self.job_id,
-                    generation=engine.state.generation,
+                    generation=self._generation,
                     source="agent",
                     status="completed" if outcome.status == "completed" else "failed",
                     exit_code=outcome.exit_code,
@@ -122,7 +124,9 @@ class Agent:
         """Ask a running job to end (from another thread): it fails and is torn down."""
         self._stop.set()
 
-    def _supervise(self, supervisor: Supervisor, actions: Actions, engine: EngineLoop) -> Outcome:
+    def _supervise(
+        self, supervisor: Supervisor, actions: Actions, engine: EngineLoop | None
+    ) -> Outcome:
         position = 0
         world = self.config.nproc
         down_since: float | None = None
@@ -138,6 +142,7 @@ class Agent:
             for entry in entries:
                 position = entry.position + 1
                 if isinstance(entry.record, Decision):
+                    self._generation = max(self._generation, entry.record.generation)
                     reason = actions.apply(entry.record)
                     if reason is not None:
                         return Outcome("failed", 1, reason)
@@ -145,7 +150,7 @@ class Agent:
                 return Outcome("completed", 0)
             if self._stop.is_set():
                 return Outcome("failed", 1, "stopped")
-            if engine.error is not None:
+            if engine is not None and engine.error is not None:
                 return Outcome("failed", 1, f"engine stopped: {engine.error!r}")
             if not supervisor.rank_down(world):
                 down_since = None

@@ -35,6 +35,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "makes the rank holding them up suspect; a second such window fails it (default 5.0)",
     )
     parser.add_argument(
+        "--external-engine",
+        action="store_true",
+        help="run no engine in the agent: the job's decisions come from `flashrecovery engine "
+        "--log URL --job ID` services (several may share the job through a lease)",
+    )
+    parser.add_argument(
         "--output-dir",
         type=Path,
         default=None,
@@ -76,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
                 job_id=args.job_id,
                 heartbeat_interval_s=args.heartbeat_interval,
                 stall_floor_s=args.stall_timeout,
+                external_engine=args.external_engine,
                 faults=_faults(args.fault),
                 output_dir=args.output_dir,
             )

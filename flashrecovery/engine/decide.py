@@ -137,6 +137,8 @@ def _apply(ctx: Context) -> None:
     if isinstance(record, JobStarted):
         _job_started(ctx, record)
         return
+    if isinstance(record, EngineLease):
+        return  # engines may claim a job before it starts; leases decide nothing here
     if state.config is None:
         raise Rejected("no job_started record before it")
     rank = getattr(record, "rank", None)
@@ -357,10 +359,6 @@ def _job_finished(ctx: Context, record: JobFinished) -> None:
         job.fire("fail", ctx.stamp)
 
 
-def _engine_lease(ctx: Context, record: EngineLease) -> None:
-    """Leases order engines (engine/service.py); they change nothing the engine decides."""
-
-
 HANDLERS: dict[type[Envelope], Callable[[Context, Any], None]] = {
     RankJoined: _rank_joined,
     SpareReady: _spare_ready,
@@ -377,7 +375,6 @@ HANDLERS: dict[type[Envelope], Callable[[Context, Any], None]] = {
     StateTransferred: _state_transferred,
     RankFinished: _rank_finished,
     JobFinished: _job_finished,
-    EngineLease: _engine_lease,
 }
 
 

@@ -70,6 +70,8 @@ def run_job(
     kill_at: dict[int, int] | None = None,
     log_url: str | None = None,
     stall_floor_s: float = 5.0,
+    external_engine: bool = False,
+    step_time_s: float = STEP_TIME_S,
 ) -> JobResult:
     """Run the training script on ``nproc`` ranks; ``kill_at`` maps rank -> the step after whose
     commit (as the log shows it) the rank's process is SIGKILLed from outside."""
@@ -78,13 +80,14 @@ def run_job(
     agent = Agent(
         AgentConfig(
             script=SCRIPT,
-            script_args=["--steps", str(STEPS), "--out", str(out), "--step-time", str(STEP_TIME_S)],
+            script_args=["--steps", str(STEPS), "--out", str(out), "--step-time", str(step_time_s)],
             nproc=nproc,
             spares=spares,
             log_url=log_url or f"sqlite:///{tmp_path / 'log.db'}",
             job_id="live",
             heartbeat_interval_s=HEARTBEAT_S,
             stall_floor_s=stall_floor_s,
+            external_engine=external_engine,
             faults=faults or {},
             output_dir=tmp_path / "output",
         )
