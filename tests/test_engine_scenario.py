@@ -17,6 +17,17 @@ JOB = "scripted"
 VOLATILE = {"schema_version", "record_id", "job_id", "source", "ts"}
 
 
+def running(
+    world_size: int, spares: int, steps: int
+) -> tuple[MemoryLog, SimulatedWorld, EngineLoop]:
+    """A job on a memory log whose engine has seen it start and train ``steps`` steps."""
+    log, world = MemoryLog(), SimulatedWorld(JOB, world_size=world_size, spares=spares)
+    engine = EngineLoop(log, JOB)
+    drive(log, engine, world, world.start())
+    drive(log, engine, world, world.train(steps))
+    return log, world, engine
+
+
 def essentials(decisions: list[Decision]) -> list[dict[str, Any]]:
     out = []
     for d in decisions:
@@ -111,11 +122,7 @@ def test_without_a_spare_the_engine_spawns_a_replacement() -> None:
 
 
 def test_second_failure_uses_the_next_generation() -> None:
-    log = MemoryLog()
-    world = SimulatedWorld(JOB, world_size=3, spares=1)
-    engine = EngineLoop(log, JOB)
-    drive(log, engine, world, world.start())
-    drive(log, engine, world, world.train(2))
+    log, world, engine = running(3, spares=1, steps=2)
     first = drive(log, engine, world, [world.kill(0)])
     drive(log, engine, world, world.train(2))
     second = drive(log, engine, world, [world.raise_in(2)])
@@ -131,11 +138,7 @@ def test_second_failure_uses_the_next_generation() -> None:
 
 
 def test_stale_generation_records_are_fenced() -> None:
-    log = MemoryLog()
-    world = SimulatedWorld(JOB, world_size=2, spares=1)
-    engine = EngineLoop(log, JOB)
-    drive(log, engine, world, world.start())
-    drive(log, engine, world, world.train(1))
+    log, world, engine = running(2, spares=1, steps=1)
     drive(log, engine, world, [world.kill(1)])
     world.generation = 0  # a survivor's late record from generation 0
     late = list(world.train(1))
@@ -243,11 +246,7 @@ def test_engine_restart_mid_incident_finishes_with_the_same_decisions(
 
 
 def test_rank_lost_after_the_last_step_closes_its_incident_when_all_finish() -> None:
-    log = MemoryLog()
-    world = SimulatedWorld(JOB, world_size=2, spares=1)
-    engine = EngineLoop(log, JOB)
-    drive(log, engine, world, world.start())
-    drive(log, engine, world, world.train(3))
+    log, world, engine = running(2, spares=1, steps=3)
     recovery = drive(log, engine, world, [world.kill(1)])
     assert [d.type for d in recovery] == [
         "isolate_rank",
@@ -287,10 +286,7 @@ def test_rank_that_dies_before_joining_is_replaced() -> None:
 
 
 def test_the_loop_counts_explains_and_reports_a_rejected_record() -> None:
-    log = MemoryLog()
-    world = SimulatedWorld(JOB, world_size=2, spares=0)
-    engine = EngineLoop(log, JOB)
-    drive(log, engine, world, world.start())
+    log, world, engine = running(2, spares=0, steps=0)
     bad = log.append_raw(Stream.EVENTS, JOB, b'{"schema_version": 1, "type": "heartbeat"}')
     with capture_logs() as logs:
         engine.apply(log.read(Stream.EVENTS, JOB, engine.next_position))
@@ -307,11 +303,7 @@ def test_the_loop_counts_explains_and_reports_a_rejected_record() -> None:
 
 
 def test_a_spare_that_dies_before_taking_over_is_replaced_in_turn() -> None:
-    log = MemoryLog()
-    world = SimulatedWorld(JOB, world_size=2, spares=1)
-    engine = EngineLoop(log, JOB)
-    drive(log, engine, world, world.start())
-    drive(log, engine, world, world.train(2))
+    log, world, engine = running(2, spares=1, steps=2)
     for record in [world.kill(1)]:
         log.append(Stream.EVENTS, record)
     engine.apply(log.read(Stream.EVENTS, JOB, engine.next_position))
@@ -332,11 +324,7 @@ def test_a_spare_that_dies_before_taking_over_is_replaced_in_turn() -> None:
 
 
 def test_a_replacement_that_regroups_before_the_agent_reports_it_is_no_rejection() -> None:
-    log = MemoryLog()
-    world = SimulatedWorld(JOB, world_size=2, spares=1)
-    engine = EngineLoop(log, JOB)
-    drive(log, engine, world, world.start())
-    drive(log, engine, world, world.train(2))
+    log, world, engine = running(2, spares=1, steps=2)
     decisions = drive(log, engine, world, [world.kill(1)])
     assert [d.type for d in decisions][-1] == "resume_planned"
     events = [e.record for e in log.read(Stream.EVENTS, JOB)]
@@ -352,11 +340,7 @@ def test_a_replacement_that_regroups_before_the_agent_reports_it_is_no_rejection
 
 
 def test_a_failure_once_ranks_have_finished_opens_no_incident() -> None:
-    log = MemoryLog()
-    world = SimulatedWorld(JOB, world_size=2, spares=1)
-    engine = EngineLoop(log, JOB)
-    drive(log, engine, world, world.start())
-    drive(log, engine, world, world.train(2))
+    log, world, engine = running(2, spares=1, steps=2)
     finished, _, _ = world.finish()
     assert drive(log, engine, world, [finished, world.kill(1)]) == []
     assert engine.state.incidents == []

@@ -4,6 +4,7 @@ records; the loop appends them to the log first, so time enters the engine only 
 from __future__ import annotations
 
 import statistics
+from typing import Any
 
 from flashrecovery.engine.state import EngineState
 from flashrecovery.records import HeartbeatMissed, StallSuspected
@@ -11,6 +12,11 @@ from flashrecovery.statemachines.rank import ALIVE
 
 WATCHED = ("healthy", "suspect")  # ranks expected to progress
 BEATING = ("pending", *ALIVE)  # processes expected to heartbeat (a recovery included)
+
+
+def _envelope(state: EngineState, now: float) -> dict[str, Any]:
+    """A finding is stamped with the detector's clock: this is where time enters the log."""
+    return {"job_id": state.job_id, "generation": state.generation, "source": "detector", "ts": now}
 
 
 def silent_ranks(state: EngineState, now: float) -> list[HeartbeatMissed]:
@@ -28,10 +34,7 @@ def silent_ranks(state: EngineState, now: float) -> list[HeartbeatMissed]:
             continue
         found.append(
             HeartbeatMissed(
-                job_id=state.job_id,
-                generation=state.generation,
-                source="detector",
-                ts=now,
+                **_envelope(state, now),
                 rank=rank,
                 last_seen_ts=last,
                 silent_s=round(now - last, 6),
@@ -63,10 +66,7 @@ def stalled_ranks(state: EngineState, now: float) -> list[StallSuspected]:
     peers_wait = any(v.waiting for v in watched.values())
     return [
         StallSuspected(
-            job_id=state.job_id,
-            generation=state.generation,
-            source="detector",
-            ts=now,
+            **_envelope(state, now),
             rank=rank,
             last_step=view.committed_step,
             stalled_s=round(now - (view.last_step_ts or last_progress), 6),
