@@ -8,7 +8,6 @@ decision's ``caused_by`` and ``replay --until`` refer to.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from flashrecovery.records import Envelope, RecordError, Stream, parse_record
@@ -67,16 +66,6 @@ class LogConnector(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections; the stored records stay."""
-
-    def tail(
-        self, stream: Stream, job_id: str, from_position: int, timeout: float
-    ) -> Iterator[Entry]:
-        """Yield entries as they arrive, forever; each wait is bounded by ``timeout``."""
-        position = from_position
-        while True:
-            for entry in self.follow(stream, job_id, position, timeout):
-                position = entry.position + 1
-                yield entry
 
     def __enter__(self) -> LogConnector:
         return self

@@ -94,10 +94,6 @@ def _init_weights(module: nn.Module) -> None:
         nn.init.zeros_(module.bias)
 
 
-def parameter_count(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
 def parameters_sha256(model: nn.Module) -> str:
     """Digest of every parameter's name and bytes in definition order: equal digests mean
     bitwise-equal models."""
