@@ -49,6 +49,17 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def rates(count: int, elapsed: float, name: str, samples: list[float]) -> dict[str, float]:
+    """A phase's result: records/s and the median and p99 of its per-record samples (ms)."""
+    return {
+        "records": count,
+        "seconds": elapsed,
+        "records_per_s": count / elapsed,
+        f"{name}_p50_ms": statistics.median(samples) * 1e3,
+        f"{name}_p99_ms": percentile(samples, 0.99) * 1e3,
+    }
+
+
 def bench_single_writer(log: LogConnector, job_id: str, count: int) -> dict[str, Any]:
     latencies = []
     started = time.perf_counter()
@@ -57,13 +68,7 @@ def bench_single_writer(log: LogConnector, job_id: str, count: int) -> dict[str,
         log.append(Stream.EVENTS, heartbeat(job_id, step))
         latencies.append(time.perf_counter() - before)
     elapsed = time.perf_counter() - started
-    return {
-        "records": count,
-        "seconds": elapsed,
-        "records_per_s": count / elapsed,
-        "append_p50_ms": statistics.median(latencies) * 1e3,
-        "append_p99_ms": percentile(latencies, 0.99) * 1e3,
-    }
+    return rates(count, elapsed, "append", latencies)
 
 
 def _writer_process(
@@ -151,13 +156,7 @@ def bench_follow(log: LogConnector, job_id: str, count: int) -> dict[str, Any]:
     if len(seen) != count:
         raise RuntimeError(f"follower saw {len(seen)} records of {job_id}, expected {count}")
     lags = [seen_at - entry.record.ts for entry, seen_at in seen if entry.record is not None]
-    return {
-        "records": count,
-        "seconds": elapsed,
-        "records_per_s": count / elapsed,
-        "lag_p50_ms": statistics.median(lags) * 1e3,
-        "lag_p99_ms": percentile(lags, 0.99) * 1e3,
-    }
+    return rates(count, elapsed, "lag", lags)
 
 
 def run(url: str, records: int, writers: int) -> dict[str, Any]:
