@@ -16,8 +16,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from flashrecovery.connectors import LogError, open_log
+from flashrecovery.connectors import open_log
 from flashrecovery.connectors.base import Entry, LogConnector
+from flashrecovery.errors import LogError
 from flashrecovery.records import Stream
 
 SUMMARY_SKIP = {

@@ -17,6 +17,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from flashrecovery.errors import RecordError
+
 SCHEMA_VERSION = 1
 
 JobId = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_.\-]+$")]
@@ -317,14 +319,6 @@ _ANY = TypeAdapter[Record](Record)
 
 def stream_of(record: Envelope) -> Stream:
     return Stream.DECISIONS if isinstance(record, Decision) else Stream.EVENTS
-
-
-class RecordError(ValueError):
-    """A value that is not a valid record; ``reason`` names the field and what is wrong."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
 
 
 def _explain(exc: ValidationError) -> str:

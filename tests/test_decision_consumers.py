@@ -7,8 +7,9 @@ import threading
 from typing import Any
 
 from flashrecovery.agent.actions import Actions
-from flashrecovery.connectors.base import Entry, LogError
+from flashrecovery.connectors.base import Entry
 from flashrecovery.connectors.memory import MemoryLog
+from flashrecovery.errors import LogError
 from flashrecovery.records import Envelope, RegroupPlanned, SpawnReplacement, Stream
 from flashrecovery.trainer_hooks.decisions import DecisionFollower
 

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from flashrecovery.connectors import LogError, open_log
+from flashrecovery.connectors import open_log
 from flashrecovery.connectors.embedded import EmbeddedLog
+from flashrecovery.errors import LogError
 from flashrecovery.records import Heartbeat, Stream
 
 

@@ -15,9 +15,10 @@ import pytest
 from kafka.admin import KafkaAdminClient
 from kafka_fixture import INDEPENDENT_CLIENTS, fresh_prefix, kafka_url, read_topic
 
-from flashrecovery.connectors import LogError, open_log
+from flashrecovery.connectors import open_log
 from flashrecovery.connectors.kafka import KafkaSettings, redact
 from flashrecovery.connectors.kafka_broker import KafkaBroker, free_port
+from flashrecovery.errors import LogError
 from flashrecovery.records import (
     Envelope,
     Heartbeat,

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from flashrecovery import cli
+from flashrecovery.errors import IllegalTransition
 from flashrecovery.statemachines import diagram
-from flashrecovery.statemachines.base import IllegalTransition, Stamp, StateMachine, Step
+from flashrecovery.statemachines.base import Stamp, StateMachine, Step
 from flashrecovery.statemachines.diagram import MACHINES, Edge, edges
 
 REPO = Path(__file__).resolve().parent.parent

@@ -9,15 +9,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from flashrecovery.connectors import LogError, open_log
+from flashrecovery.connectors import open_log
+from flashrecovery.errors import ConfigError, LogError
 from flashrecovery.records import Stream
 from flashrecovery.trainer_hooks.faults import Fault
 
 _JOB_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
-
-
-class ConfigError(ValueError):
-    """A bad argument: said plainly, before any process starts."""
 
 
 @dataclass(frozen=True)

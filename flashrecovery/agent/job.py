@@ -20,8 +20,9 @@ import flashrecovery
 from flashrecovery.agent.actions import Actions
 from flashrecovery.agent.config import AgentConfig
 from flashrecovery.agent.supervisor import Child, Supervisor
-from flashrecovery.connectors import LogError, open_log
+from flashrecovery.connectors import open_log
 from flashrecovery.engine.loop import EngineLoop
+from flashrecovery.errors import LogError
 from flashrecovery.records import Decision, Envelope, JobFinished, JobStarted, RankExited, Stream
 
 log = structlog.get_logger("flashrecovery.agent")

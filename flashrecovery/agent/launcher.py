@@ -6,7 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from flashrecovery.agent.config import AgentConfig, ConfigError
+from flashrecovery.agent.config import AgentConfig
+from flashrecovery.errors import ConfigError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-from flashrecovery.connectors.base import Entry, LogConnector, LogError
+from flashrecovery.connectors.base import Entry, LogConnector
+from flashrecovery.errors import LogError
 
-__all__ = ["Entry", "LogConnector", "LogError", "open_log"]
+__all__ = ["Entry", "LogConnector", "open_log"]
 
 SCHEMES = ("memory", "sqlite", "kafka")
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from flashrecovery.records import Envelope, RecordError, Stream, parse_record
+from flashrecovery.errors import RecordError
+from flashrecovery.records import Envelope, Stream, parse_record
 
 
 @dataclass(frozen=True)
@@ -29,10 +30,6 @@ class Entry:
             return cls(position, raw, parse_record(raw, stream))
         except RecordError as exc:
             return cls(position, raw, None, exc.reason)
-
-
-class LogError(RuntimeError):
-    """The log cannot be reached or used (a clear message for the user, never a traceback)."""
 
 
 class LogConnector(ABC):

@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, unquote
 
-from flashrecovery.connectors.base import Entry, LogConnector, LogError
+from flashrecovery.connectors.base import Entry, LogConnector
+from flashrecovery.errors import LogError
 from flashrecovery.records import Envelope, Stream, dump_record
 
 SCHEMA_VERSION = 1

@@ -25,7 +25,8 @@ from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 from kafka.partitioner.default import murmur2
 
-from flashrecovery.connectors.base import Entry, LogConnector, LogError
+from flashrecovery.connectors.base import Entry, LogConnector
+from flashrecovery.errors import LogError
 from flashrecovery.records import Envelope, Stream, dump_record
 
 ENV_PREFIX = "FLASHRECOVERY_KAFKA_"

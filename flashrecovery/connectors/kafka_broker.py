@@ -28,6 +28,8 @@ from pathlib import Path
 
 import psutil
 
+from flashrecovery.errors import BrokerError
+
 KAFKA_VERSION = "4.3.1"
 LOG4J_VERSION = "2.25.3"
 START_TIMEOUT_S = 120.0
@@ -82,10 +84,6 @@ share.coordinator.state.topic.min.isr=1
 group.initial.rebalance.delay.ms=0
 log.cleaner.dedupe.buffer.size=8388608
 """
-
-
-class BrokerError(RuntimeError):
-    """The broker could not be fetched, started or stopped; the message says why."""
 
 
 def cache_root() -> Path:

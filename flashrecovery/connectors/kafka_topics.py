@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from flashrecovery.connectors.base import LogError
 from flashrecovery.connectors.kafka import KafkaSettings, ensure_topics, redact
+from flashrecovery.errors import LogError
 from flashrecovery.records import Stream
 
 

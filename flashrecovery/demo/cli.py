@@ -23,10 +23,11 @@ from rich.live import Live
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 
-from flashrecovery.connectors import LogError, open_log
+from flashrecovery.connectors import open_log
 from flashrecovery.demo.job import JobSpec, LaunchedJob
 from flashrecovery.demo.summary import summarize
 from flashrecovery.demo.watch import JobWatch, Kill, Killer, follow
+from flashrecovery.errors import LogError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

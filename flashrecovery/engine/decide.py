@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 from flashrecovery.connectors.base import Entry
 from flashrecovery.engine import planner
 from flashrecovery.engine.state import EngineState, Incident, RankView, SpareView
+from flashrecovery.errors import IllegalTransition, Rejected
 from flashrecovery.records import (
     AssignSpare,
     CollectiveError,
@@ -43,7 +44,7 @@ from flashrecovery.records import (
     StepCompleted,
     decision_id,
 )
-from flashrecovery.statemachines.base import IllegalTransition, Stamp
+from flashrecovery.statemachines.base import Stamp
 from flashrecovery.statemachines.incident import PHASES, IncidentMachine
 from flashrecovery.statemachines.rank import ALIVE, RankMachine
 
@@ -61,10 +62,6 @@ FENCED_TYPES = (
     StallSuspected,
 )
 STEP_WINDOW = 20  # step durations kept per rank for the stall threshold
-
-
-class Rejected(ValueError):
-    """The record is valid JSON of a known type but makes no sense for this job now."""
 
 
 D = TypeVar("D", bound=Decision)

@@ -17,12 +17,13 @@ from collections.abc import Callable
 
 import structlog
 
-from flashrecovery.connectors import LogError, open_log
+from flashrecovery.connectors import open_log
 from flashrecovery.connectors.base import Entry, LogConnector
 from flashrecovery.engine import detectors
 from flashrecovery.engine.decide import ingest
 from flashrecovery.engine.lease import LeaseBook
 from flashrecovery.engine.state import EngineState
+from flashrecovery.errors import LogError
 from flashrecovery.records import (
     Decision,
     EngineLease,

@@ -13,10 +13,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from flashrecovery.connectors import LogError, open_log
+from flashrecovery.connectors import open_log
 from flashrecovery.connectors.base import LogConnector
 from flashrecovery.engine.decide import ingest, phase_durations
 from flashrecovery.engine.state import EngineState
+from flashrecovery.errors import LogError
 from flashrecovery.records import Decision, IncidentClosed, Stream
 
 

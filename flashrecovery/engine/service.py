@@ -12,8 +12,9 @@ import argparse
 import signal
 import sys
 
-from flashrecovery.connectors import LogError, open_log
+from flashrecovery.connectors import open_log
 from flashrecovery.engine.loop import EngineLoop
+from flashrecovery.errors import LogError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

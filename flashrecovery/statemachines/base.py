@@ -11,6 +11,8 @@ from typing import Any, ClassVar
 
 from transitions import Machine, MachineError
 
+from flashrecovery import errors
+
 
 @dataclass(frozen=True)
 class Stamp:
@@ -29,7 +31,7 @@ class Step:
     stamp: Stamp
 
 
-class IllegalTransition(RuntimeError):
+class IllegalTransition(errors.IllegalTransition):
     def __init__(self, machine: str, trigger: str, state: str, stamp: Stamp) -> None:
         super().__init__(
             f"{machine}: '{trigger}' is not allowed in state '{state}' "

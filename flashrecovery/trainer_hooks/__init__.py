@@ -8,20 +8,20 @@ for step in session.steps(total):
 session.finish()
 """
 
-from flashrecovery.trainer_hooks.decisions import FallbackRequired
-from flashrecovery.trainer_hooks.env import LaunchError
-from flashrecovery.trainer_hooks.faults import InjectedFault
-from flashrecovery.trainer_hooks.session import (
+from flashrecovery.errors import (
+    FallbackRequired,
+    JobFailed,
+    LaunchError,
     ProtocolError,
     ReplacedError,
-    Session,
-    Stateful,
-    init,
 )
+from flashrecovery.trainer_hooks.faults import InjectedFault
+from flashrecovery.trainer_hooks.session import Session, Stateful, init
 
 __all__ = [
     "FallbackRequired",
     "InjectedFault",
+    "JobFailed",
     "LaunchError",
     "ProtocolError",
     "ReplacedError",

@@ -13,7 +13,8 @@ import time
 from collections.abc import Callable
 from typing import TypeVar, cast
 
-from flashrecovery.connectors.base import LogConnector, LogError
+from flashrecovery.connectors.base import LogConnector
+from flashrecovery.errors import FallbackRequired, LogError
 from flashrecovery.records import (
     Decision,
     FallbackToCheckpoint,
@@ -26,11 +27,6 @@ from flashrecovery.records import (
 FOLLOW_TIMEOUT_S = 0.5  # also how soon an orphaned process notices its agent is gone
 
 T = TypeVar("T")
-
-
-class FallbackRequired(Exception):
-    """The engine found no replica holding some shard: only a checkpoint can restore it.
-    Not a RuntimeError, so the recovery path never mistakes it for a failed collective."""
 
 
 class DecisionFollower:

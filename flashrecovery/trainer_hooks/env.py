@@ -6,11 +6,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from flashrecovery.errors import LaunchError
 from flashrecovery.trainer_hooks.faults import Fault
-
-
-class LaunchError(RuntimeError):
-    """The process was not started by `flashrecovery run` (or its environment is broken)."""
 
 
 @dataclass(frozen=True)

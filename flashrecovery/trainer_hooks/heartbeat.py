@@ -7,7 +7,8 @@ import contextlib
 import threading
 from collections.abc import Callable
 
-from flashrecovery.connectors.base import LogConnector, LogError
+from flashrecovery.connectors.base import LogConnector
+from flashrecovery.errors import LogError
 from flashrecovery.records import Heartbeat, Stream
 
 

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from flashrecovery.connectors import open_log
+from flashrecovery.errors import ProtocolError, ReplacedError
 from flashrecovery.records import (
     CollectiveError,
     Envelope,
@@ -56,14 +57,6 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
-
-
-class ProtocolError(Exception):
-    """The engine's plan contradicts this rank's state: a bug, never retried as a failure."""
-
-
-class ReplacedError(RuntimeError):
-    """The engine replaced this rank (it was declared failed); this process must stop."""
 
 
 class Session:

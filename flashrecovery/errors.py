@@ -1,0 +1,61 @@
+"""Every error flashrecovery raises on purpose, under one base.
+
+None of them is a ``RuntimeError``: torch reports a failed collective or store wait as a
+``RuntimeError`` (``torch.distributed.DistError`` included), and the hook treats exactly those as
+a peer's failure. A log outage or a protocol bug must never be mistaken for one.
+"""
+
+from __future__ import annotations
+
+
+class FlashRecoveryError(Exception):
+    """Base of every error flashrecovery raises on purpose."""
+
+
+class LogError(FlashRecoveryError):
+    """The log cannot be reached or used (a clear message for the user, never a traceback)."""
+
+
+class RecordError(FlashRecoveryError, ValueError):
+    """A value that is not a valid record; ``reason`` names the field and what is wrong."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class ConfigError(FlashRecoveryError, ValueError):
+    """A bad argument: said plainly, before any process starts."""
+
+
+class LaunchError(FlashRecoveryError):
+    """The process was not started by `flashrecovery run` (or its environment is broken)."""
+
+
+class BrokerError(FlashRecoveryError):
+    """The project's Kafka broker could not be fetched, started or stopped."""
+
+
+class Rejected(FlashRecoveryError, ValueError):
+    """A valid record of a known type that makes no sense for its job now: counted with its
+    reason by the engine, never applied."""
+
+
+class IllegalTransition(FlashRecoveryError):
+    """A machine was asked for a transition its state does not allow: an engine fault."""
+
+
+class ProtocolError(FlashRecoveryError):
+    """The engine's plan contradicts this rank's state: a bug, never retried as a failure."""
+
+
+class ReplacedError(FlashRecoveryError):
+    """The engine replaced this rank (it was declared failed); this process must stop."""
+
+
+class FallbackRequired(FlashRecoveryError):
+    """The engine found no replica holding some shard: only a checkpoint can restore it."""
+
+
+class JobFailed(FlashRecoveryError):
+    """The engine decided the job has failed (for example a crash loop): stop training."""
