@@ -18,6 +18,7 @@ from rich.table import Table
 
 from flashrecovery.connectors import open_log
 from flashrecovery.connectors.base import Entry, LogConnector
+from flashrecovery.connectors.follow import StreamCursor
 from flashrecovery.errors import LogError
 from flashrecovery.records import Stream
 
@@ -73,11 +74,14 @@ def summary(entry: Entry) -> str:
     return " ".join(f"{k}={json.dumps(v)}" for k, v in fields.items() if v is not None)
 
 
-def collect(
-    log: LogConnector, job_id: str, streams: list[Stream], since: dict[Stream, int]
-) -> list[tuple[Stream, Entry]]:
-    """Entries of the chosen streams, merged by timestamp (positions of two streams differ)."""
-    rows = [(s, e) for s in streams for e in log.read(s, job_id, since[s])]
+def merged(cursors: list[StreamCursor], wait_s: float) -> list[tuple[Stream, Entry]]:
+    """What is new on each stream, merged by timestamp (positions of two streams differ). With
+    ``wait_s`` the first stream (the busy one) is waited on, with that bound, for news."""
+    rows = [
+        (cursor.stream, entry)
+        for i, cursor in enumerate(cursors)
+        for entry in (cursor.poll(wait_s) if i == 0 and wait_s > 0 else cursor.read())
+    ]
     return sorted(
         rows,
         key=lambda row: (row[1].record.ts if row[1].record else 0.0, row[0] == Stream.DECISIONS),
@@ -125,20 +129,18 @@ def _batches(
 ) -> Iterator[list[tuple[str, Stream, Entry]]]:
     streams = [Stream(args.stream)] if args.stream else list(Stream)
     jobs = [args.job] if args.job else log.jobs()
-    since = {job: {s: args.since for s in streams} for job in jobs}
+    cursors = {job: [StreamCursor(log, s, job, args.since) for s in streams] for job in jobs}
+    wait_s = 0.0  # the first batch is what is there already
     while True:
-        batch = []
-        for job in jobs:
-            for stream, entry in collect(log, job, streams, since[job]):
-                since[job][stream] = max(since[job][stream], entry.position + 1)
-                if matches(entry, args):
-                    batch.append((job, stream, entry))
-        yield batch
+        yield [
+            (job, stream, entry)
+            for job, job_cursors in cursors.items()
+            for stream, entry in merged(job_cursors, wait_s)
+            if matches(entry, args)
+        ]
         if not args.follow:
             return
-        # Block on the events stream (the busy one) with a bound, then look again.
-        for job in jobs:
-            log.follow(streams[0], job, since[job][streams[0]], timeout=0.5)
+        wait_s = 0.5
 
 
 def run(args: argparse.Namespace) -> int:

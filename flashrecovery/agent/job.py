@@ -21,6 +21,7 @@ from flashrecovery.agent.actions import Actions
 from flashrecovery.agent.config import AgentConfig
 from flashrecovery.agent.supervisor import Child, Supervisor
 from flashrecovery.connectors import open_log
+from flashrecovery.connectors.follow import StreamCursor
 from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.errors import LogError
 from flashrecovery.records import Decision, Envelope, JobFinished, JobStarted, RankExited, Stream
@@ -128,20 +129,12 @@ class Agent:
     def _supervise(
         self, supervisor: Supervisor, actions: Actions, engine: EngineLoop | None
     ) -> Outcome:
-        position = 0
+        # While the log is briefly away the cursor returns nothing: the children train on.
+        decisions = StreamCursor(self._log, Stream.DECISIONS, self.job_id, stop=self._stop)
         world = self.config.nproc
         down_since: float | None = None
         while True:
-            try:
-                entries = self._log.follow(
-                    Stream.DECISIONS, self.job_id, position, FOLLOW_TIMEOUT_S
-                )
-            except LogError as exc:  # the log is briefly away: the children train on
-                log.warning("log unavailable, retrying", error=str(exc))
-                self._stop.wait(FOLLOW_TIMEOUT_S)
-                entries = []
-            for entry in entries:
-                position = entry.position + 1
+            for entry in decisions.poll(FOLLOW_TIMEOUT_S):
                 if isinstance(entry.record, Decision):
                     self._generation = max(self._generation, entry.record.generation)
                     reason = actions.apply(entry.record)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from flashrecovery.connectors.base import LogConnector
+from flashrecovery.connectors.follow import StreamCursor
 from flashrecovery.demo.job import LaunchedJob
 from flashrecovery.engine.decide import ingest
 from flashrecovery.engine.state import EngineState
@@ -31,13 +32,12 @@ class JobWatch:
         self.joined_pids: dict[int, int] = {}  # the generation-0 process of each rank
         self.finished: JobFinished | None = None
         self.last_record = ""
-        self._next = 0
+        self._events = StreamCursor(log, Stream.EVENTS, job_id)
 
     def poll(self, timeout: float) -> int:
         """Apply the events that arrive within ``timeout``; returns how many."""
-        entries = self.log.follow(Stream.EVENTS, self.job_id, self._next, timeout)
+        entries = self._events.poll(timeout)
         for entry in entries:
-            self._next = entry.position + 1
             ingest(self.state, entry)
             record = entry.record
             if isinstance(record, RankJoined):

@@ -19,6 +19,7 @@ import structlog
 
 from flashrecovery.connectors import open_log
 from flashrecovery.connectors.base import Entry, LogConnector
+from flashrecovery.connectors.follow import RETRY, StreamCursor
 from flashrecovery.engine import detectors
 from flashrecovery.engine.decide import ingest
 from flashrecovery.engine.lease import LeaseBook
@@ -34,7 +35,6 @@ from flashrecovery.records import (
 )
 
 log = structlog.get_logger("flashrecovery.engine")
-RETRY_MAX_S = 2.0  # longest pause between attempts while the log is unreachable
 
 
 class EngineLoop:
@@ -63,21 +63,21 @@ class EngineLoop:
         self._due: list[Decision] = []  # decided, not yet written (a standby keeps them)
         self._written: set[str] = set()
         self._reported: set[tuple[str, int, int, int | None, int]] = set()
-        self._next = 0
         self._stop = threading.Event()
+        self._events = StreamCursor(self.log, Stream.EVENTS, job_id, stop=self._stop)
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
 
     @property
     def next_position(self) -> int:
         """The first events position not applied yet."""
-        return self._next
+        return self._events.position
 
     # -------------------------------------------------------------- one step at a time
 
     def catch_up(self) -> None:
         """Apply every event so far, then write the decisions not in the log yet."""
-        self.apply(self.log.read(Stream.EVENTS, self.job_id, self._next))
+        self.apply(self.log.read(Stream.EVENTS, self.job_id, self.next_position))
 
     def is_leader(self) -> bool:
         return self.lease_ttl_s is None or self.leases.holder(self.clock()) == self.engine_id
@@ -93,7 +93,7 @@ class EngineLoop:
                 log.warning(
                     "record rejected", position=entry.position, reason=self.state.last_rejection
                 )
-            self._next = entry.position + 1
+            self._events.position = entry.position + 1
         self._flush()
         return len(entries)
 
@@ -174,7 +174,7 @@ class EngineLoop:
 
     def step(self, timeout: float) -> int:
         self.claim()
-        entries = self.log.follow(Stream.EVENTS, self.job_id, self._next, timeout)
+        entries = self._events.poll(timeout)
         count = self.apply(entries)
         if not entries:
             self._flush()  # a standby whose predecessor's lease just ran out takes over here
@@ -185,8 +185,9 @@ class EngineLoop:
 
     def run(self) -> None:
         """Catch up, then follow until stop() is called or the job has ended. While the log is
-        unreachable it retries with a bounded backoff; decisions not yet acknowledged stay due
-        and are written once it is back (their ids keep them from being written twice)."""
+        unreachable it retries by the log's one retry policy; decisions not yet acknowledged
+        stay due and are written once it is back (their ids keep them from being written
+        twice)."""
         backoff = 0.0
         caught_up = False
         while not self._stop.is_set() and self.state.job.state not in ("completed", "failed"):
@@ -197,7 +198,7 @@ class EngineLoop:
                 self.step(self.poll_s)
                 backoff = 0.0
             except LogError as exc:
-                backoff = min(max(backoff * 2, 0.1), RETRY_MAX_S)
+                backoff = RETRY.next_delay(backoff)
                 log.warning("log unavailable, retrying", error=str(exc), retry_in_s=backoff)
                 self._stop.wait(backoff)
 

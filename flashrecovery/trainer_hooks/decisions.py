@@ -14,7 +14,8 @@ from collections.abc import Callable
 from typing import TypeVar, cast
 
 from flashrecovery.connectors.base import LogConnector
-from flashrecovery.errors import FallbackRequired, LogError
+from flashrecovery.connectors.follow import StreamCursor
+from flashrecovery.errors import FallbackRequired
 from flashrecovery.records import (
     Decision,
     FallbackToCheckpoint,
@@ -31,8 +32,6 @@ T = TypeVar("T")
 
 class DecisionFollower:
     def __init__(self, log: LogConnector, job_id: str, on_regroup: Callable[[int], None]) -> None:
-        self._log = log
-        self._job_id = job_id
         self._on_regroup = on_regroup
         self._changed = threading.Condition()
         self._regroup: RegroupPlanned | None = None  # the newest
@@ -40,7 +39,7 @@ class DecisionFollower:
         self._fallback: FallbackToCheckpoint | None = None
         self._isolated: set[int] = set()  # pids the engine fenced off
         self._stop = threading.Event()
-        self._last_error: LogError | None = None  # said when a wait for a decision times out
+        self._cursor = StreamCursor(log, Stream.DECISIONS, job_id, stop=self._stop)
         self._parent = os.getppid()
         self._thread = threading.Thread(
             target=self._run, name="flashrecovery-decisions", daemon=True
@@ -64,20 +63,10 @@ class DecisionFollower:
             return pid in self._isolated
 
     def _run(self) -> None:
-        position = 0
         while not self._stop.is_set():
             if os.getppid() != self._parent:
                 os._exit(70)  # the agent is gone: nobody can regroup or reap us
-            try:
-                entries = self._log.follow(
-                    Stream.DECISIONS, self._job_id, position, FOLLOW_TIMEOUT_S
-                )
-            except LogError as exc:  # the log is briefly away: keep following
-                self._last_error = exc
-                self._stop.wait(FOLLOW_TIMEOUT_S)
-                continue
-            for entry in entries:
-                position = entry.position + 1
+            for entry in self._cursor.poll(FOLLOW_TIMEOUT_S):
                 if isinstance(entry.record, Decision):
                     self._apply(entry.record)
 
@@ -111,11 +100,8 @@ class DecisionFollower:
                     return found
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    why = (
-                        f" (the log last failed with: {self._last_error})"
-                        if self._last_error
-                        else ""
-                    )
+                    error = self._cursor.last_error
+                    why = f" (the log last failed with: {error})" if error else ""
                     raise TimeoutError(f"no recovery decision within {timeout:.0f}s{why}")
                 self._changed.wait(left)
 

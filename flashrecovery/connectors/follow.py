@@ -1,0 +1,88 @@
+"""Tailing one stream of one job from a position: the single way every reader follows the log.
+
+The engine loop, the agent, the hook's decisions thread, the demo's watch and `events --follow`
+all read through a ``StreamCursor``, so they share one behaviour while the log is unreachable:
+return nothing, pause by one ``RetryPolicy`` (doubling, bounded), remember the error, try again.
+A reader never crashes on an outage and never spins; it decides itself how long is too long.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+
+from flashrecovery.connectors.base import Entry, LogConnector
+from flashrecovery.errors import LogError
+from flashrecovery.records import Stream
+
+log = structlog.get_logger("flashrecovery.log")
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Pauses between attempts while the log is unreachable: ``first_s``, doubling to ``max_s``."""
+
+    first_s: float = 0.1
+    max_s: float = 2.0
+
+    def next_delay(self, previous: float) -> float:
+        return min(max(previous * 2, self.first_s), self.max_s)
+
+
+RETRY = RetryPolicy()
+
+
+class StreamCursor:
+    """A position in one (stream, job) that moves past every entry it returns."""
+
+    def __init__(
+        self,
+        log: LogConnector,
+        stream: Stream,
+        job_id: str,
+        position: int = 0,
+        *,
+        retry: RetryPolicy = RETRY,
+        stop: threading.Event | None = None,
+    ) -> None:
+        self.log = log
+        self.stream = stream
+        self.job_id = job_id
+        self.position = position
+        self.retry = retry
+        self.last_error: LogError | None = None  # the newest outage, kept for timeout messages
+        self._stop = stop or threading.Event()  # set: a pause in an outage ends at once
+        self._delay = 0.0
+
+    def read(self) -> list[Entry]:
+        """Every entry from the cursor on, without waiting ([] during an outage)."""
+        return self._advance(lambda: self.log.read(self.stream, self.job_id, self.position))
+
+    def poll(self, timeout: float) -> list[Entry]:
+        """The entries that exist or arrive within ``timeout`` ([] when none, or during an
+        outage after the policy's pause)."""
+        return self._advance(
+            lambda: self.log.follow(self.stream, self.job_id, self.position, timeout)
+        )
+
+    def _advance(self, fetch: Callable[[], list[Entry]]) -> list[Entry]:
+        try:
+            entries = fetch()
+        except LogError as exc:
+            self.last_error = exc
+            self._delay = self.retry.next_delay(self._delay)
+            log.warning(
+                "log unavailable, retrying",
+                stream=self.stream.value,
+                error=str(exc),
+                retry_in_s=self._delay,
+            )
+            self._stop.wait(self._delay)
+            return []
+        self._delay = 0.0
+        if entries:
+            self.position = entries[-1].position + 1
+        return entries
