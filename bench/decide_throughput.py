@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -19,10 +20,13 @@ from flashrecovery.connectors import open_log
 from flashrecovery.connectors.base import Entry
 from flashrecovery.engine.decide import decide
 from flashrecovery.engine.loop import EngineLoop
-from flashrecovery.engine.simulation import SimulatedWorld
 from flashrecovery.engine.state import EngineState
 from flashrecovery.logs import configure_logging
 from flashrecovery.records import Envelope, Stream, dump_record
+
+# The scripted world (no torch) lives with the tests: tests/simworld.py.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from simworld import SimulatedWorld
 
 RESULTS = Path(__file__).parent / "results"
 

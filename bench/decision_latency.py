@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 import uuid
@@ -25,9 +26,12 @@ from rich.table import Table
 from flashrecovery.connectors import open_log
 from flashrecovery.connectors.base import LogConnector
 from flashrecovery.engine.loop import EngineLoop
-from flashrecovery.engine.simulation import SimulatedWorld
 from flashrecovery.logs import configure_logging
 from flashrecovery.records import Decision, Envelope, Stream
+
+# The scripted world (no torch) lives with the tests: tests/simworld.py.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from simworld import SimulatedWorld
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -8,9 +8,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from hypothesis import strategies as st
+from simworld import SimulatedWorld
 
 from flashrecovery.engine.decide import decide
-from flashrecovery.engine.simulation import SimulatedWorld
 from flashrecovery.engine.state import EngineState
 from flashrecovery.records import Decision, DecisionRecord, Envelope, EventRecord
 

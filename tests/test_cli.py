@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from simworld import SimulatedWorld
 
 from flashrecovery.cli import main
 from flashrecovery.connectors import open_log
-from flashrecovery.engine.simulation import SimulatedWorld
 from flashrecovery.records import Stream
 
 ROOT = Path(__file__).resolve().parents[1]

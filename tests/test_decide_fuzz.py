@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from factories import JOB, RECORD_TYPES, feed, valid_records
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from simworld import SimulatedWorld, drive
 
 from flashrecovery.connectors.memory import MemoryLog
 from flashrecovery.engine.decide import decide, ingest
 from flashrecovery.engine.loop import EngineLoop
-from flashrecovery.engine.simulation import SimulatedWorld, drive
 from flashrecovery.engine.state import EngineState
 from flashrecovery.records import Decision, Envelope, Stream, decision_id, dump_record, parse_record
 

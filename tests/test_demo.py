@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from simworld import SimulatedWorld, drive
 
 from flashrecovery.connectors import open_log
 from flashrecovery.demo.data import batch_for
@@ -26,7 +27,6 @@ from flashrecovery.demo.summary import loss_curve, process_history, sparkline, s
 from flashrecovery.demo.train import build
 from flashrecovery.demo.watch import Kill
 from flashrecovery.engine.loop import EngineLoop
-from flashrecovery.engine.simulation import SimulatedWorld, drive
 from flashrecovery.records import RankJoined, RankRegrouped, RegroupPlanned, Stream
 
 REPO = Path(__file__).resolve().parents[1]

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 from factories import JOB, feed, make, running_job
+from simworld import SimulatedWorld, drive
 
 from flashrecovery.connectors.memory import MemoryLog
 from flashrecovery.engine import detectors
 from flashrecovery.engine.loop import EngineLoop
-from flashrecovery.engine.simulation import SimulatedWorld, drive
 from flashrecovery.engine.state import EngineState
 from flashrecovery.records import (
     Envelope,

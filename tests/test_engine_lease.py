@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from simworld import SimulatedWorld, scripted_failure
+
 from flashrecovery.connectors.memory import MemoryLog
 from flashrecovery.engine.lease import LeaseBook
 from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.engine.replay import replay_job
-from flashrecovery.engine.simulation import SimulatedWorld, scripted_failure
 from flashrecovery.records import Decision, EngineLease, Envelope, Stream
 
 JOB = "leased"

@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from simworld import SimulatedWorld, drive, scripted_failure
 from structlog.testing import capture_logs
 
 from flashrecovery.connectors.memory import MemoryLog
 from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.engine.replay import replay_job
-from flashrecovery.engine.simulation import SimulatedWorld, drive, scripted_failure
 from flashrecovery.records import Decision, Envelope, RankExited, Stream
 
 JOB = "scripted"

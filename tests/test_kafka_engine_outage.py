@@ -8,12 +8,12 @@ from collections.abc import Iterator
 
 import pytest
 from kafka_fixture import fresh_prefix
+from simworld import SimulatedWorld
 
 from flashrecovery.connectors import open_log
 from flashrecovery.connectors.kafka_broker import KafkaBroker
 from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.engine.replay import replay_job
-from flashrecovery.engine.simulation import SimulatedWorld
 from flashrecovery.errors import LogError
 from flashrecovery.records import Decision, Envelope, Stream
 

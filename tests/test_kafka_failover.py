@@ -10,13 +10,13 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
+from simworld import SimulatedWorld, scripted_failure
 
 from flashrecovery.connectors import open_log
 from flashrecovery.connectors.base import LogConnector
 from flashrecovery.connectors.memory import MemoryLog
 from flashrecovery.engine.lease import LeaseBook
 from flashrecovery.engine.replay import replay_job
-from flashrecovery.engine.simulation import SimulatedWorld, scripted_failure
 from flashrecovery.records import Decision, EngineLease, Envelope, Stream
 
 pytestmark = pytest.mark.kafka
