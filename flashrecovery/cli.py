@@ -35,16 +35,11 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     # Only the chosen command's module is imported (some import torch, which is slow).
     chosen = next((a for a in argv if not a.startswith("-")), None)
-    for name, module_name in COMMANDS.items():
+    for name in COMMANDS:
         if chosen is not None and chosen != name:
             sub.add_parser(name)
             continue
-        try:
-            module = _load(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != module_name:
-                raise
-            continue  # not built yet
+        module = _load(name)
         doc = (module.__doc__ or "").strip().splitlines()
         p = sub.add_parser(name, help=doc[0] if doc else None, description=doc[0] if doc else None)
         module.add_arguments(p)

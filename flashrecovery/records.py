@@ -1,6 +1,6 @@
 """Every record that crosses the log: one pydantic model per type, one shared envelope.
 
-Two streams carry them (DESIGN §2): *events* (ranks, agents and detectors tell what happened)
+Two streams carry them (docs/protocol.md): *events* (ranks, agents and detectors tell what happened)
 and *decisions* (the engine tells what to do). Values are plain JSON so that any Kafka tool can
 read them. A decision names the log position of the event that caused it (``caused_by``) and
 gets a deterministic id and timestamp from that event, so replaying the events reproduces every

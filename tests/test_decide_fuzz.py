@@ -1,4 +1,4 @@
-"""Garbage never crashes the decide step (DESIGN §4): undecodable entries and valid records that
+"""Garbage never crashes the decide step: undecodable entries and valid records that
 make no sense now are counted in ``state.rejected`` with a reason (or fenced), produce no
 decision, and the same records always yield the same decisions (replay depends on it)."""
 

@@ -152,10 +152,6 @@ class Supervisor:
         with self._lock:
             return sum(1 for c in self._children if c.rank is None and c.alive)
 
-    def pids(self) -> list[int]:
-        with self._lock:
-            return [c.pid for c in self._children]
-
     # ------------------------------------------------------------------ ending
 
     def teardown(self) -> None:

@@ -65,7 +65,6 @@ class EngineState:
     spares: dict[int, SpareView] = field(default_factory=dict)
     incidents: list[Incident] = field(default_factory=list)
     needs_state: set[int] = field(default_factory=set)  # replaced ranks not yet restored
-    regroup_members: list[int] = field(default_factory=list)
     resume_planned: bool = False
     position: int = -1  # last events position applied
     rejected: Counter[str] = field(default_factory=Counter)  # reason -> count

@@ -1,6 +1,6 @@
 """The decisions a rank follows: regroup and resume plans, and fallback, per generation.
 
-A thread tails the job's decisions stream (low volume, DESIGN §2) and keeps the plans; the
+A thread tails the job's decisions stream (low volume, docs/protocol.md) and keeps the plans; the
 training thread waits on them. When a plan moves the job past a generation, ``on_regroup`` runs
 at once in this thread so a training thread blocked on a vote of the old generation is released.
 """
