@@ -68,6 +68,10 @@ class JobStarted(Envelope):
     stall_floor_s: float = Field(default=5.0, gt=0)
     startup_grace_s: float = Field(default=120.0, gt=0)  # a new process's time to first beat
     shards: int = Field(default=1, ge=1)  # distinct model shards; ranks of one shard are replicas
+    # Crash-loop guard: the same rank failing this often at the same committed step fails the
+    # job, and so does an incident past the first max_incidents (None: no bound).
+    max_replacements: int = Field(default=3, ge=1)
+    max_incidents: int | None = Field(default=None, ge=1)
 
 
 class RankJoined(Envelope):
@@ -99,6 +103,14 @@ class Heartbeat(Envelope):
     pid: int = Field(ge=1)
     host: str
     waiting: bool = False
+
+
+class SpareHeartbeat(Envelope):
+    """Proof of life from an idle hot spare: a spare that stops beating is dropped, not used."""
+
+    type: Literal["spare_heartbeat"] = "spare_heartbeat"
+    spare_id: int = Field(ge=0)
+    pid: int = Field(ge=1)
 
 
 class StepCompleted(Envelope):
@@ -136,6 +148,15 @@ class HeartbeatMissed(Envelope):
 
     type: Literal["heartbeat_missed"] = "heartbeat_missed"
     rank: RankId
+    last_seen_ts: float
+    silent_s: float = Field(ge=0)
+
+
+class SpareMissed(Envelope):
+    """A detector saw no heartbeat from an idle spare for N x interval."""
+
+    type: Literal["spare_missed"] = "spare_missed"
+    spare_id: int = Field(ge=0)
     last_seen_ts: float
     silent_s: float = Field(ge=0)
 
@@ -271,6 +292,28 @@ class FallbackToCheckpoint(Decision):
     shards: list[int]
 
 
+class RetireSpare(Decision):
+    """Drop a spare from the pool (it died or went silent): kill it if it lives, and start
+    another in its place when ``refill``."""
+
+    type: Literal["retire_spare"] = "retire_spare"
+    spare_id: int = Field(ge=0)
+    pid: int | None = None
+    reason: str
+    refill: bool = True
+
+
+class FailJob(Decision):
+    """The job fails instead of recovering again: a crash loop, or too many incidents."""
+
+    type: Literal["fail_job"] = "fail_job"
+    rank: RankId
+    step: Step  # the committed step at which it keeps failing (-1: before the first)
+    failures: int = Field(ge=1)
+    last_error: str
+    reason: str
+
+
 class IncidentClosed(Decision):
     type: Literal["incident_closed"] = "incident_closed"
     failed_rank: RankId
@@ -285,10 +328,12 @@ EventRecord = Annotated[
     | RankJoined
     | SpareReady
     | Heartbeat
+    | SpareHeartbeat
     | StepCompleted
     | RankExited
     | CollectiveError
     | HeartbeatMissed
+    | SpareMissed
     | StallSuspected
     | HealthReport
     | SpareActivated
@@ -307,6 +352,8 @@ DecisionRecord = Annotated[
     | RegroupPlanned
     | ResumePlanned
     | FallbackToCheckpoint
+    | RetireSpare
+    | FailJob
     | IncidentClosed,
     Field(discriminator="type"),
 ]

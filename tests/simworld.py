@@ -27,7 +27,9 @@ from flashrecovery.records import (
     RegroupPlanned,
     ReplacementSpawned,
     ResumePlanned,
+    RetireSpare,
     SpareActivated,
+    SpareHeartbeat,
     SpareReady,
     SpawnReplacement,
     StateTransferred,
@@ -103,6 +105,7 @@ class SimulatedWorld:
                 yield Heartbeat(
                     **self._env(f"rank:{rank}"), rank=rank, step=step, pid=pid, host=HOST
                 )
+            yield from self.spare_heartbeats()
             for rank in sorted(self.pids):
                 yield StepCompleted(
                     **self._env(f"rank:{rank}"),
@@ -112,6 +115,14 @@ class SimulatedWorld:
                     loss=round(1.0 / (step + 1), 6),
                 )
             self.committed = step
+
+    def spare_heartbeats(self, ts: float | None = None) -> list[SpareHeartbeat]:
+        """The idle spares' heartbeats, now or at ``ts``."""
+        env = {**self._env("spare"), **({} if ts is None else {"ts": ts})}
+        return [
+            SpareHeartbeat(**env, spare_id=spare_id, pid=pid)
+            for spare_id, pid in sorted(self.spare_pids.items())
+        ]
 
     def kill(self, rank: int, signal: int = 9) -> RankExited:
         return RankExited(**self._env("agent"), rank=rank, pid=self.pids[rank], signal=signal)
@@ -138,6 +149,9 @@ class SimulatedWorld:
                     **self._env("agent"), spare_id=decision.spare_id, rank=decision.rank, pid=pid
                 )
             ]
+        if isinstance(decision, RetireSpare):
+            self.spare_pids.pop(decision.spare_id, None)
+            return [self.add_spare()] if decision.refill else []
         if isinstance(decision, SpawnReplacement):
             self.pids[decision.rank] = self._pid()
             return [

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from simworld import SimulatedWorld, drive
 
 from flashrecovery.connectors.memory import MemoryLog
-from flashrecovery.engine.decide import decide, ingest
+from flashrecovery.engine.decide import decide
+from flashrecovery.engine.ingest import ingest
 from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.engine.state import EngineState
 from flashrecovery.records import Decision, Envelope, Stream, decision_id, dump_record, parse_record
@@ -71,6 +72,8 @@ def run_checked(records: list[Envelope]) -> Outcome:
         if new_reasons or state.fenced > fenced_before:
             assert decisions == []
         assert sum(new_reasons.values()) <= 1
+        # Bad input is the record's fault, rejected with a reason; never the engine's own.
+        assert not state.engine_faults, state.engine_faults
         for reason in new_reasons:
             assert reason.startswith(f"{record.type}: ") and len(reason) > len(record.type) + 2
         for index, decision in enumerate(decisions):

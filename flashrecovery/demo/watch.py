@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from flashrecovery.connectors.base import LogConnector
 from flashrecovery.connectors.follow import StreamCursor
 from flashrecovery.demo.job import LaunchedJob
-from flashrecovery.engine.decide import ingest
+from flashrecovery.engine.ingest import ingest
 from flashrecovery.engine.state import EngineState
 from flashrecovery.records import JobFinished, RankJoined, Stream
 

@@ -1,52 +1,45 @@
 """The decide step: (state, event) -> decisions. No clock, no I/O, nothing random.
 
-Every decision takes its id, timestamp and generation from the event that caused it, so feeding
-the same events again yields byte-identical decisions: that is what replay checks and what lets a
-restarted engine recognise what it had already written.
+Each record type has one handler here that checks the record against what the job's own records
+established (a record that contradicts them is rejected with its reason, never believed) and
+updates the state; what a failure sets in motion lives in recovery.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
-from flashrecovery.connectors.base import Entry
-from flashrecovery.engine import planner
-from flashrecovery.engine.state import EngineState, Incident, RankView, SpareView
+from flashrecovery.engine import recovery
+from flashrecovery.engine.context import Context
+from flashrecovery.engine.state import EngineState, RankView, SpareStatus, SpareView
 from flashrecovery.errors import IllegalTransition, Rejected
 from flashrecovery.records import (
-    AssignSpare,
     CollectiveError,
     Decision,
     EngineLease,
     Envelope,
-    FallbackToCheckpoint,
     HealthReport,
     Heartbeat,
     HeartbeatMissed,
-    IncidentClosed,
-    IsolateRank,
     JobFinished,
     JobStarted,
     RankExited,
     RankFinished,
     RankJoined,
     RankRegrouped,
-    RegroupPlanned,
     ReplacementSpawned,
-    ResumePlanned,
     SpareActivated,
+    SpareHeartbeat,
+    SpareMissed,
     SpareReady,
-    SpawnReplacement,
     StallSuspected,
     StateTransferred,
     StepCompleted,
-    decision_id,
 )
-from flashrecovery.statemachines.base import Stamp
-from flashrecovery.statemachines.incident import PHASES, IncidentMachine
-from flashrecovery.statemachines.rank import ALIVE, RankMachine
+from flashrecovery.statemachines.base import Trigger
+from flashrecovery.statemachines.job import JobState
+from flashrecovery.statemachines.rank import ALIVE, RankMachine, RankState
 
 # Records a member sends about itself in its generation; older generations are fenced.
 FENCED_TYPES = (
@@ -64,65 +57,25 @@ FENCED_TYPES = (
 STEP_WINDOW = 20  # step durations kept per rank for the stall threshold
 
 
-D = TypeVar("D", bound=Decision)
-
-
-@dataclass
-class Context:
-    """One decide call: the event being applied and the decisions it produces."""
-
-    state: EngineState
-    position: int
-    record: Envelope
-    decisions: list[Decision] = field(default_factory=list)
-
-    @property
-    def stamp(self) -> Stamp:
-        return Stamp(self.position, self.record.ts, self.record.type)
-
-    def emit(self, cls: type[D], generation: int | None = None, **fields: Any) -> D:
-        decision = cls(
-            record_id=decision_id(self.state.job_id, self.position, len(self.decisions)),
-            job_id=self.state.job_id,
-            generation=self.state.generation if generation is None else generation,
-            source="engine",
-            ts=self.record.ts,
-            caused_by=self.position,
-            **fields,
-        )
-        self.decisions.append(decision)
-        return decision
-
-
-def ingest(state: EngineState, entry: Entry) -> list[Decision]:
-    """Apply one log entry; a malformed one is counted and explained, never raised."""
-    if entry.record is None:
-        _reject(state, f"malformed: {entry.error}")
-        state.position = max(state.position, entry.position)
-        return []
-    return decide(state, entry.position, entry.record)
-
-
 def decide(state: EngineState, position: int, record: Envelope) -> list[Decision]:
     """Apply one event at its log position and return the decisions it causes.
 
-    A record that can't apply (wrong job, unknown rank, illegal transition) is counted in
-    ``state.rejected`` with its reason and produces nothing; a stale generation's record is
-    counted in ``state.fenced``.
+    A record that can't apply (wrong job, unknown rank, contradicts the job's records) is
+    counted in ``state.rejected`` with its reason and produces nothing; a stale generation's
+    record is counted in ``state.fenced``. A transition the engine's own logic gets wrong is an
+    engine fault, kept in ``state.engine_faults`` for the loop to report as such.
     """
     state.position = max(state.position, position)
     ctx = Context(state, position, record)
     try:
         _apply(ctx)
-    except (Rejected, IllegalTransition) as exc:
-        _reject(state, f"{record.type}: {exc}")
+    except Rejected as exc:
+        state.reject(f"{record.type}: {exc}")
+        return []
+    except IllegalTransition as exc:
+        state.engine_faults.append(f"{record.type} at position {position}: {exc}")
         return []
     return ctx.decisions
-
-
-def _reject(state: EngineState, reason: str) -> None:
-    state.rejected[reason] += 1
-    state.last_rejection = reason
 
 
 def _apply(ctx: Context) -> None:
@@ -161,6 +114,8 @@ def _job_started(ctx: Context, record: JobStarted) -> None:
         r: RankView(RankMachine(f"rank:{r}"), grace_until_ts=record.ts + record.startup_grace_s)
         for r in range(record.world_size)
     }
+    for rank in state.ranks:
+        state.set_committed(rank, -1)
 
 
 def _rank_joined(ctx: Context, record: RankJoined) -> None:
@@ -169,77 +124,118 @@ def _rank_joined(ctx: Context, record: RankJoined) -> None:
     if record.shard >= shards:
         raise Rejected(f"shard {record.shard} is outside the job's {shards} shard(s)")
     view = state.ranks[record.rank]
-    view.machine.fire("join", ctx.stamp)
-    view.machine.fire("ready", ctx.stamp)
+    ctx.require(view.machine, Trigger.JOIN, f"rank {record.rank}")
+    ctx.fire(view.machine, Trigger.READY)
     view.pid, view.host, view.shard = record.pid, record.host, record.shard
     view.last_heartbeat_ts, view.grace_until_ts = record.ts, None
-    if state.job.state == "starting" and all(
-        v.machine.state == "healthy" for v in state.ranks.values()
+    if state.job.state == JobState.STARTING and all(
+        v.machine.state == RankState.HEALTHY for v in state.ranks.values()
     ):
-        state.job.fire("run", ctx.stamp)
+        ctx.fire(state.job, Trigger.RUN)
 
 
 def _spare_ready(ctx: Context, record: SpareReady) -> None:
     if record.spare_id in ctx.state.spares:
         raise Rejected(f"spare {record.spare_id} is already known")
-    ctx.state.spares[record.spare_id] = SpareView(record.spare_id, record.pid, record.host)
+    ctx.state.spares[record.spare_id] = SpareView(
+        record.spare_id, record.pid, record.host, last_heartbeat_ts=record.ts
+    )
+
+
+def _spare_heartbeat(ctx: Context, record: SpareHeartbeat) -> None:
+    spare = ctx.state.spares.get(record.spare_id)
+    if spare is None or spare.pid != record.pid:
+        ctx.state.fenced += 1  # not ready yet, or an old process of that spare id
+        return
+    spare.last_heartbeat_ts = record.ts
+
+
+def _spare_missed(ctx: Context, record: SpareMissed) -> None:
+    spare = ctx.state.spares.get(record.spare_id)
+    if spare is None:
+        raise Rejected(f"spare {record.spare_id} never reported ready")
+    if spare.status == SpareStatus.READY:
+        recovery.retire_spare(ctx, spare, f"no heartbeat for {record.silent_s:.2f}s")
 
 
 def _heartbeat(ctx: Context, record: Heartbeat) -> None:
-    view = ctx.state.ranks[record.rank]
-    if view.machine.state == "pending" and view.pid is None:
+    state = ctx.state
+    view = state.ranks[record.rank]
+    if view.machine.state == RankState.PENDING and view.pid is None:
         view.pid = record.pid  # alive before it could join: its process is known from now on
     if view.pid != record.pid:
-        ctx.state.fenced += 1  # an old process of this rank id
+        state.fenced += 1  # an old process of this rank id
         return
     view.last_heartbeat_ts, view.grace_until_ts = record.ts, None  # alive: the grace is over
-    view.waiting = record.waiting
-    if not _stalled_by(ctx.state, view):
-        _clear_suspicion(ctx, view)
+    state.set_waiting(record.rank, record.waiting)
+    if not _stalled_by(state, view):
+        recovery.clear_suspicion(ctx, view)
 
 
 def _stalled_by(state: EngineState, view: RankView) -> bool:
     """A heartbeat proves life, not progress: a suspect behind its peers, or outside commit()
     while a peer waits inside it, stays suspect."""
     behind = view.committed_step < state.max_committed()
-    return behind or (not view.waiting and any(v.waiting for v in state.ranks.values()))
+    return behind or (not view.waiting and state.waiting > 0)
 
 
 def _step_completed(ctx: Context, record: StepCompleted) -> None:
+    """Believed only where the commit protocol allows it: a member commits each step once, in
+    order, and only a step every member voted on, so never more than one past the slowest."""
     state = ctx.state
     view = state.ranks[record.rank]
-    view.committed_step = max(view.committed_step, record.step)
+    if view.machine.state not in ALIVE or record.rank in state.needs_state:
+        raise Rejected(f"rank {record.rank} is {view.machine.state}, not a member holding state")
+    if record.step <= view.committed_step:
+        raise Rejected(f"rank {record.rank} committed step {record.step} already")
+    if record.step > state.committed.floor() + 1:
+        raise Rejected(
+            f"step {record.step} can't be committed: a member has committed only up to "
+            f"{state.committed.floor()}, and a step commits only when every member voted"
+        )
+    state.set_committed(record.rank, record.step)
     view.last_step_ts = record.ts
-    view.waiting = False
+    state.set_waiting(record.rank, False)
     view.step_durations = [*view.step_durations[-(STEP_WINDOW - 1) :], record.duration_s]
-    _clear_suspicion(ctx, view)
-    _maybe_close_incidents(ctx)
+    recovery.clear_suspicion(ctx, view)
+    recovery.maybe_close_incidents(ctx)
 
 
 def _rank_exited(ctx: Context, record: RankExited) -> None:
     state = ctx.state
     holder = next((r for r, v in state.ranks.items() if v.pid == record.pid), None)
     if holder is None and record.rank is not None:
-        never_joined = state.ranks[record.rank].machine.state == "pending"
+        never_joined = state.ranks[record.rank].machine.state == RankState.PENDING
         holder = record.rank if never_joined else None  # died before saying who it was
+    how = f"signal {record.signal}" if record.signal is not None else f"code {record.exit_code}"
     if holder is None:
-        spare = state.spares.get(record.spare_id) if record.spare_id is not None else None
-        if spare is not None and spare.pid == record.pid:
-            spare.status = "gone"
-        else:
-            state.fenced += 1  # a process that no longer holds any rank
+        _spare_exited(ctx, record, how)
         return
     view = state.ranks[holder]
-    if view.machine.state == "finished":
+    if view.machine.state == RankState.FINISHED:
         return
-    if view.machine.state == "isolated":  # its replacement died before taking over
+    if view.machine.state == RankState.ISOLATED:  # its replacement died before taking over
         if record.spare_id in state.spares:
-            state.spares[record.spare_id].status = "gone"
-        incident = next(i for i in reversed(state.open_incidents()) if i.failed_rank == holder)
-        _choose_replacement(ctx, holder, incident.incident_id)
+            state.spares[record.spare_id].status = SpareStatus.GONE
+        recovery.replacement_died(ctx, holder, f"process {record.pid} exited ({how})")
         return
-    how = f"signal {record.signal}" if record.signal is not None else f"code {record.exit_code}"
-    _fail(ctx, holder, record.ts, f"process {record.pid} exited ({how})")
+    recovery.fail(ctx, holder, record.ts, f"process {record.pid} exited ({how})")
+
+
+def _spare_exited(ctx: Context, record: RankExited, how: str) -> None:
+    """An idle spare that dies leaves the pool and is replaced; one that dies before it was
+    ever ready is replaced only a bounded number of times (a script that can't start)."""
+    state = ctx.state
+    spare = state.spares.get(record.spare_id) if record.spare_id is not None else None
+    if spare is not None and spare.pid == record.pid:
+        if spare.status == SpareStatus.READY:
+            recovery.retire_spare(ctx, spare, f"exited ({how})")
+        else:
+            spare.status = SpareStatus.GONE
+    elif record.spare_id is not None and record.spare_id not in state.spares:
+        recovery.spare_lost_unready(ctx, record.spare_id, record.pid, how)
+    else:
+        state.fenced += 1  # a process that no longer holds any rank
 
 
 def _collective_error(ctx: Context, record: CollectiveError) -> None:
@@ -249,116 +245,96 @@ def _collective_error(ctx: Context, record: CollectiveError) -> None:
 
 def _heartbeat_missed(ctx: Context, record: HeartbeatMissed) -> None:
     reason = f"no heartbeat for {record.silent_s:.2f}s"
-    _fail(ctx, record.rank, record.last_seen_ts, reason)
+    recovery.fail(ctx, record.rank, record.last_seen_ts, reason)
 
 
 def _stall_suspected(ctx: Context, record: StallSuspected) -> None:
     machine = ctx.state.ranks[record.rank].machine
-    if machine.state == "healthy":
-        machine.fire("suspect", ctx.stamp)
-    elif machine.state == "suspect":
+    if machine.state == RankState.HEALTHY:
+        ctx.fire(machine, Trigger.SUSPECT)
+    elif machine.state == RankState.SUSPECT:
         reason = f"no progress past step {record.last_step} for {record.stalled_s:.2f}s"
-        _fail(ctx, record.rank, record.ts - record.stalled_s, reason)
+        recovery.fail(ctx, record.rank, record.ts - record.stalled_s, reason)
 
 
 def _health_report(ctx: Context, record: HealthReport) -> None:
     view = ctx.state.ranks[record.rank]
     if record.ok:
-        _clear_suspicion(ctx, view)
+        recovery.clear_suspicion(ctx, view)
     else:
-        _fail(ctx, record.rank, record.ts, f"health check failed: {record.detail}")
+        recovery.fail(ctx, record.rank, record.ts, f"health check failed: {record.detail}")
 
 
 def _spare_activated(ctx: Context, record: SpareActivated) -> None:
     spare = ctx.state.spares.get(record.spare_id)
     if spare is None:
         raise Rejected(f"spare {record.spare_id} never reported ready")
-    spare.status = "assigned"
-    _replacement_ready(ctx, record.rank, record.pid, warm=True)
+    spare.status = SpareStatus.ASSIGNED
+    recovery.replacement_ready(ctx, record.rank, record.pid, warm=True)
 
 
 def _replacement_spawned(ctx: Context, record: ReplacementSpawned) -> None:
-    _replacement_ready(ctx, record.rank, record.pid, warm=False)
+    recovery.replacement_ready(ctx, record.rank, record.pid, warm=False)
 
 
 def _rank_regrouped(ctx: Context, record: RankRegrouped) -> None:
     state = ctx.state
     view = state.ranks[record.rank]
-    if view.machine.state == "isolated" and view.pid in (None, record.pid):
-        _replacement_ready(ctx, record.rank, record.pid, warm=True)  # spoke before the agent
-    if view.machine.state == "pending":  # generation 0 never formed: it joins in this one
-        view.machine.fire("join", ctx.stamp)
+    if view.machine.state == RankState.ISOLATED and view.pid in (None, record.pid):
+        recovery.replacement_ready(ctx, record.rank, record.pid, warm=True)  # before the agent
+    if view.machine.state == RankState.PENDING:  # generation 0 never formed: it joins in this one
+        ctx.fire(view.machine, Trigger.JOIN)
         view.pid, view.host = record.pid, ""
     if view.pid != record.pid:
         state.fenced += 1
         return
-    if view.machine.state == "joining":
-        view.machine.fire("pause", ctx.stamp)
-    if view.machine.state != "paused":
+    if view.machine.state == RankState.JOINING:
+        ctx.fire(view.machine, Trigger.PAUSE)
+    if view.machine.state != RankState.PAUSED:
         raise Rejected(f"rank {record.rank} is {view.machine.state}, not regrouping")
+    # Its last step record may have been fenced (sent as the generation ended): one step past
+    # what the records say is possible, more is not.
+    if record.committed_step > state.max_committed() + 1:
+        raise Rejected(
+            f"rank {record.rank} says it holds step {record.committed_step}, but no member "
+            f"committed past {state.max_committed()}"
+        )
     view.regrouped_step = record.committed_step
     view.shard = record.shard
     if state.resume_planned or any(v.regrouped_step is None for v in state.ranks.values()):
         return
-    for incident in state.open_incidents():
-        if incident.machine.can("regrouped"):
-            incident.machine.fire("regrouped", ctx.stamp)
-    plan = planner.plan_resume(state)
-    if isinstance(plan, planner.NoReplica):
-        ctx.emit(
-            FallbackToCheckpoint,
-            reason=f"no healthy replica holds shard(s) {plan.shards}",
-            shards=plan.shards,
-            incident_id=_latest_incident_id(state),
-        )
-        for incident in state.open_incidents():
-            incident.machine.fire("fall_back", ctx.stamp)
-        state.job.fire("fall_back", ctx.stamp)
-        return
-    ctx.emit(
-        ResumePlanned,
-        resume_step=plan.resume_step,
-        donors=plan.donors,
-        recipients=plan.recipients,
-        incident_id=_latest_incident_id(state),
-    )
-    state.resume_planned = True
-    for incident in state.open_incidents():
-        incident.resume_step = plan.resume_step
-    state.job.fire("restore", ctx.stamp)
-    for rank, member in state.ranks.items():
-        member.machine.fire("restore", ctx.stamp)
-        if rank not in plan.recipients:
-            member.machine.fire("restored", ctx.stamp)
-            member.last_heartbeat_ts = record.ts
-    _maybe_restored(ctx)
+    recovery.plan_resume(ctx)
 
 
 def _state_transferred(ctx: Context, record: StateTransferred) -> None:
     state = ctx.state
     view = state.ranks[record.rank]
-    view.machine.fire("restored", ctx.stamp)
+    ctx.require(view.machine, Trigger.END_RESTORE, f"rank {record.rank}")
     view.last_heartbeat_ts = record.ts
     state.needs_state.discard(record.rank)
-    _maybe_restored(ctx)
+    resume_step = recovery.current_resume_step(state)
+    state.set_committed(record.rank, resume_step)
+    recovery.maybe_restored(ctx)
 
 
 def _rank_finished(ctx: Context, record: RankFinished) -> None:
-    ctx.state.ranks[record.rank].machine.fire("finish", ctx.stamp)
-    _maybe_close_incidents(ctx)  # a rank replaced after the last step resumes by finishing
+    ctx.require(ctx.state.ranks[record.rank].machine, Trigger.FINISH, f"rank {record.rank}")
+    recovery.maybe_close_incidents(ctx)  # a rank replaced after the last step resumes by finishing
 
 
 def _job_finished(ctx: Context, record: JobFinished) -> None:
     job = ctx.state.job
     if record.status == "completed":
-        job.fire("complete", ctx.stamp)
-    elif job.state != "failed":
-        job.fire("fail", ctx.stamp)
+        ctx.require(job, Trigger.COMPLETE, "the job")
+    elif job.state != JobState.FAILED:
+        ctx.require(job, Trigger.FAIL, "the job")
 
 
 HANDLERS: dict[type[Envelope], Callable[[Context, Any], None]] = {
     RankJoined: _rank_joined,
     SpareReady: _spare_ready,
+    SpareHeartbeat: _spare_heartbeat,
+    SpareMissed: _spare_missed,
     Heartbeat: _heartbeat,
     StepCompleted: _step_completed,
     RankExited: _rank_exited,
@@ -373,150 +349,3 @@ HANDLERS: dict[type[Envelope], Callable[[Context, Any], None]] = {
     RankFinished: _rank_finished,
     JobFinished: _job_finished,
 }
-
-
-# ------------------------------------------------------------------ recovery steps
-
-
-def _clear_suspicion(ctx: Context, view: RankView) -> None:
-    if view.machine.state == "suspect":
-        view.machine.fire("clear", ctx.stamp)
-
-
-def _fail(ctx: Context, rank: int, failure_ts: float, reason: str) -> None:
-    """Open an incident for a rank that is alive in the current generation: isolate it,
-    choose its replacement and plan the next generation, in one decide step."""
-    state = ctx.state
-    view = state.ranks[rank]
-    if view.machine.state not in (*ALIVE, "pending"):
-        return  # already being replaced, or finished: nothing new to decide
-    if state.job.state in ("completed", "failed", "fallback"):
-        raise Rejected(f"the job is {state.job.state}")
-    if any(v.machine.state == "finished" for v in state.ranks.values()):
-        return  # every step is committed everywhere: the job is ending, nothing to recover
-    incident = Incident(
-        incident_id=f"{state.job_id}-incident-{len(state.incidents) + 1}",
-        failed_rank=rank,
-        failure_ts=min(failure_ts, ctx.record.ts),
-        generation=state.generation + 1,
-        machine=IncidentMachine(f"incident:{len(state.incidents) + 1}"),
-        committed_before=state.max_committed(),
-        detected=ctx.stamp,
-        reason=reason,
-    )
-    state.incidents.append(incident)
-    view.machine.fire("fail", ctx.stamp)
-    ctx.emit(IsolateRank, rank=rank, pid=view.pid, reason=reason, incident_id=incident.incident_id)
-    view.machine.fire("isolate", ctx.stamp)
-    incident.machine.fire("isolate", ctx.stamp)
-    state.job.fire("isolate", ctx.stamp)
-
-    state.generation += 1
-    _choose_replacement(ctx, rank, incident.incident_id)
-    view.committed_step = -1
-    state.needs_state.add(rank)
-    state.resume_planned = False
-    for member in state.ranks.values():
-        member.regrouped_step = None
-        member.waiting = False
-        if member.machine.state in ALIVE and member.machine.state != "paused":
-            member.machine.fire("pause", ctx.stamp)
-            member.last_heartbeat_ts = ctx.record.ts  # silence is timed from the regroup on
-    for open_incident in state.open_incidents():
-        open_incident.generation = state.generation
-    ctx.emit(
-        RegroupPlanned,
-        members=sorted(state.ranks),
-        replaced=sorted(state.needs_state),
-        incident_id=incident.incident_id,
-    )
-    state.job.fire("regroup", ctx.stamp)
-
-
-def _choose_replacement(ctx: Context, rank: int, incident_id: str) -> None:
-    """A ready spare if there is one, else a fresh process; the rank's pid becomes the spare's
-    at once, so that its death before it takes over is recognised."""
-    state, view = ctx.state, ctx.state.ranks[rank]
-    spare_id = planner.choose_spare(state)
-    if spare_id is not None:
-        ctx.emit(AssignSpare, rank=rank, spare_id=spare_id, incident_id=incident_id)
-        state.spares[spare_id].status = "assigned"
-        view.pid = state.spares[spare_id].pid
-    else:
-        ctx.emit(SpawnReplacement, rank=rank, incident_id=incident_id)
-        view.pid = None
-
-
-def _replacement_ready(ctx: Context, rank: int, pid: int, *, warm: bool) -> None:
-    """The replacement process holds the rank now. A warm spare heartbeats at once; a fresh
-    process gets the start-up grace before its silence counts."""
-    state, view = ctx.state, ctx.state.ranks[rank]
-    if view.machine.state != "isolated":
-        if view.pid == pid:
-            return  # the replacement's own regroup record came first
-        raise Rejected(f"rank {rank} is {view.machine.state}, not waiting for a replacement")
-    view.pid = pid
-    view.last_heartbeat_ts = ctx.record.ts
-    config = state.config
-    view.grace_until_ts = None if warm or config is None else ctx.record.ts + config.startup_grace_s
-    view.machine.fire("replace", ctx.stamp)
-    view.machine.fire("rejoin", ctx.stamp)
-    for incident in ctx.state.open_incidents():
-        if incident.failed_rank == rank and incident.machine.can("replacement_ready"):
-            incident.machine.fire("replacement_ready", ctx.stamp)
-
-
-def _maybe_restored(ctx: Context) -> None:
-    state = ctx.state
-    if any(v.machine.state == "restoring" for v in state.ranks.values()):
-        return
-    for incident in state.open_incidents():
-        if incident.machine.can("restored"):
-            incident.machine.fire("restored", ctx.stamp)
-    if state.job.state == "restoring":
-        state.job.fire("resume", ctx.stamp)
-
-
-def _maybe_close_incidents(ctx: Context) -> None:
-    state = ctx.state
-    if state.job.state != "resuming":
-        return
-    resume_steps = {i.resume_step for i in state.open_incidents()}
-    if None in resume_steps or not resume_steps:
-        return
-    resume_step = max(s for s in resume_steps if s is not None)
-    if any(
-        v.committed_step <= resume_step and v.machine.state != "finished"
-        for v in state.ranks.values()
-    ):
-        return
-    for incident in state.open_incidents():
-        incident.machine.fire("resumed", ctx.stamp)
-        incident.machine.fire("close", ctx.stamp)
-        ctx.emit(
-            IncidentClosed,
-            incident_id=incident.incident_id,
-            failed_rank=incident.failed_rank,
-            rto_s=round(ctx.record.ts - incident.failure_ts, 6),
-            rpo_steps=max(0, incident.committed_before - resume_step),
-            recomputed_steps=max(0, incident.committed_before + 1 - resume_step),
-            phases=phase_durations(incident),
-        )
-    state.job.fire("recovered", ctx.stamp)
-
-
-def phase_durations(incident: Incident) -> dict[str, float]:
-    """Seconds spent reaching each phase from the previous one (failure -> detected -> …)."""
-    durations: dict[str, float] = {}
-    previous = incident.failure_ts
-    for phase in PHASES:
-        stamp = incident.detected if phase == "detected" else incident.machine.entered(phase)
-        if stamp is None:
-            continue
-        durations[phase] = round(max(0.0, stamp.ts - previous), 6)
-        previous = max(previous, stamp.ts)
-    return durations
-
-
-def _latest_incident_id(state: EngineState) -> str | None:
-    return state.incidents[-1].incident_id if state.incidents else None

@@ -6,12 +6,13 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from flashrecovery.engine.state import EngineState
-from flashrecovery.records import HeartbeatMissed, StallSuspected
-from flashrecovery.statemachines.rank import ALIVE
+from flashrecovery.engine.state import EngineState, SpareStatus
+from flashrecovery.records import HeartbeatMissed, SpareMissed, StallSuspected
+from flashrecovery.statemachines.job import ENDED, JobState
+from flashrecovery.statemachines.rank import ALIVE, RankState
 
-WATCHED = ("healthy", "suspect")  # ranks expected to progress
-BEATING = ("pending", *ALIVE)  # processes expected to heartbeat (a recovery included)
+WATCHED = (RankState.HEALTHY, RankState.SUSPECT)  # ranks expected to progress
+BEATING = (RankState.PENDING, *ALIVE)  # processes expected to heartbeat (a recovery included)
 
 
 def _envelope(state: EngineState, now: float) -> dict[str, Any]:
@@ -23,7 +24,7 @@ def silent_ranks(state: EngineState, now: float) -> list[HeartbeatMissed]:
     """Processes with no heartbeat for missed_heartbeats x interval, in any state in which they
     should beat (a hang during a recovery too), once a starting process's grace is over."""
     config = state.config
-    if config is None or state.job.state in ("completed", "failed", "fallback"):
+    if config is None or state.job.state in (*ENDED, JobState.FALLBACK):
         return []
     limit = config.missed_heartbeats * config.heartbeat_interval_s
     found = []
@@ -48,7 +49,7 @@ def stalled_ranks(state: EngineState, now: float) -> list[StallSuspected]:
     that hold the others up: those outside commit() while a peer waits inside it, and those
     behind their peers. One finding per window: a rank still stalled a window later fails."""
     config = state.config
-    if config is None or state.job.state != "running":
+    if config is None or state.job.state != JobState.RUNNING:
         return []
     durations = [d for v in state.ranks.values() for d in v.step_durations]
     window = max(
@@ -74,4 +75,25 @@ def stalled_ranks(state: EngineState, now: float) -> list[StallSuspected]:
         )
         for rank, view in sorted(watched.items())
         if view.committed_step < top or (peers_wait and not view.waiting)
+    ]
+
+
+def silent_spares(state: EngineState, now: float) -> list[SpareMissed]:
+    """Idle spares with no heartbeat for missed_heartbeats x interval (SIGSTOPped, hung): they
+    must leave the pool before a failure picks them."""
+    config = state.config
+    if config is None or state.job.state in ENDED:
+        return []
+    limit = config.missed_heartbeats * config.heartbeat_interval_s
+    return [
+        SpareMissed(
+            **_envelope(state, now),
+            spare_id=spare.spare_id,
+            last_seen_ts=spare.last_heartbeat_ts,
+            silent_s=round(now - spare.last_heartbeat_ts, 6),
+        )
+        for spare in sorted(state.spares.values(), key=lambda s: s.spare_id)
+        if spare.status == SpareStatus.READY
+        and spare.last_heartbeat_ts is not None
+        and now - spare.last_heartbeat_ts > limit
     ]

@@ -21,7 +21,7 @@ from flashrecovery.connectors import open_log
 from flashrecovery.connectors.base import Entry, LogConnector
 from flashrecovery.connectors.follow import RETRY, StreamCursor
 from flashrecovery.engine import detectors
-from flashrecovery.engine.decide import ingest
+from flashrecovery.engine.ingest import ingest
 from flashrecovery.engine.lease import LeaseBook
 from flashrecovery.engine.state import EngineState
 from flashrecovery.errors import LogError
@@ -30,6 +30,7 @@ from flashrecovery.records import (
     EngineLease,
     Envelope,
     HeartbeatMissed,
+    SpareMissed,
     StallSuspected,
     Stream,
 )
@@ -87,12 +88,14 @@ class EngineLoop:
         for entry in entries:
             if isinstance(entry.record, EngineLease):
                 self.leases.observe(entry.record)
-            rejected = self.state.rejected.total()
+            rejected, faults = self.state.rejected.total(), len(self.state.engine_faults)
             self._due.extend(ingest(self.state, entry))
             if self.state.rejected.total() > rejected:  # counted, explained, and said aloud
                 log.warning(
                     "record rejected", position=entry.position, reason=self.state.last_rejection
                 )
+            if len(self.state.engine_faults) > faults:  # the engine's own bug, not the record's
+                log.error("engine fault", detail=self.state.engine_faults[-1])
             self._events.position = entry.position + 1
         self._flush()
         return len(entries)
@@ -151,26 +154,34 @@ class EngineLoop:
             return []
         now = self.clock()
         found: list[Envelope] = []
-        findings: list[HeartbeatMissed | StallSuspected] = [
+        findings: list[HeartbeatMissed | StallSuspected | SpareMissed] = [
             *detectors.silent_ranks(self.state, now),
             *detectors.stalled_ranks(self.state, now),
+            *detectors.silent_spares(self.state, now),
         ]
         for record in findings:
-            rank = record.rank
-            # A stall is reported once per window it lasts (suspect, then failed).
-            windows = (
-                int(record.stalled_s // record.window_s)
-                if isinstance(record, StallSuspected)
-                else 0
-            )
-            key = (record.type, record.generation, rank, self.state.ranks[rank].pid, windows)
+            key = self._finding_key(record)
             if key in self._reported:
                 continue
             self.log.append(Stream.EVENTS, record)
             self._reported.add(key)
-            log.warning("detector", type=record.type, rank=rank)
+            log.warning("detector", type=record.type, **key_fields(record))
             found.append(record)
         return found
+
+    def _finding_key(
+        self, record: HeartbeatMissed | StallSuspected | SpareMissed
+    ) -> tuple[str, int, int, int | None, int]:
+        """A finding is reported once per process it is about (and a stall once per window it
+        lasts: suspect, then failed)."""
+        if isinstance(record, SpareMissed):
+            spare = self.state.spares[record.spare_id]
+            return (record.type, record.generation, spare.spare_id, spare.pid, 0)
+        windows = (
+            int(record.stalled_s // record.window_s) if isinstance(record, StallSuspected) else 0
+        )
+        view = self.state.ranks[record.rank]
+        return (record.type, record.generation, record.rank, view.pid, windows)
 
     def step(self, timeout: float) -> int:
         self.claim()
@@ -220,3 +231,9 @@ class EngineLoop:
             self._thread.join(timeout)
         if self._owns_log:
             self.log.close()
+
+
+def key_fields(record: HeartbeatMissed | StallSuspected | SpareMissed) -> dict[str, int]:
+    if isinstance(record, SpareMissed):
+        return {"spare_id": record.spare_id}
+    return {"rank": record.rank}

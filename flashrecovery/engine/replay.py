@@ -15,7 +15,8 @@ from typing import Any
 
 from flashrecovery.connectors import open_log
 from flashrecovery.connectors.base import LogConnector
-from flashrecovery.engine.decide import ingest, phase_durations
+from flashrecovery.engine.ingest import ingest
+from flashrecovery.engine.recovery import phase_durations
 from flashrecovery.engine.state import EngineState
 from flashrecovery.errors import LogError
 from flashrecovery.records import Decision, IncidentClosed, Stream

@@ -1,30 +1,34 @@
 """What the engine knows about one job, built only from the job's records.
 
 Nothing here reads a clock or the log: the decide step updates it record by record, so the same
-records always rebuild the same state (replay, engine restart, failover).
+records always rebuild the same state (replay, engine restart, failover). Aggregates over the
+ranks (highest and lowest committed step, how many wait in commit()) are kept up to date as
+records arrive, so a heartbeat or a step costs the same whatever the size of the world.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from flashrecovery.records import JobStarted
 from flashrecovery.statemachines.base import Stamp
-from flashrecovery.statemachines.incident import IncidentMachine
+from flashrecovery.statemachines.incident import OPEN, IncidentMachine
 from flashrecovery.statemachines.job import JobMachine
 from flashrecovery.statemachines.rank import RankMachine
 
 
 @dataclass
 class RankView:
-    """A rank id and the process currently holding it."""
+    """A rank id and the process currently holding it. Its committed step and waiting flag are
+    set through EngineState (set_committed, set_waiting), which keeps the aggregates."""
 
     machine: RankMachine
     pid: int | None = None
     host: str = ""
     shard: int = 0
-    committed_step: int = -1  # highest step this rank reported committed
+    committed_step: int = -1  # highest step this rank reported committed (or was restored to)
     last_heartbeat_ts: float | None = None
     grace_until_ts: float | None = None  # a starting process is not missed before this, or
     # before its first sign of life (heartbeat, join)
@@ -34,12 +38,19 @@ class RankView:
     regrouped_step: int | None = None  # committed step reported for the current generation
 
 
+class SpareStatus(StrEnum):
+    READY = "ready"  # warm, idle, waiting for an assignment
+    ASSIGNED = "assigned"
+    GONE = "gone"  # exited, or dropped from the pool
+
+
 @dataclass
 class SpareView:
     spare_id: int
     pid: int
     host: str
-    status: str = "ready"  # ready | assigned | gone
+    status: SpareStatus = SpareStatus.READY
+    last_heartbeat_ts: float | None = None
 
 
 @dataclass
@@ -56,6 +67,32 @@ class Incident:
 
 
 @dataclass
+class StepIndex:
+    """The committed step of every rank that holds training state (a failed rank leaves until
+    it is restored), with the highest and lowest in O(distinct steps): the commit protocol keeps
+    members within one step of each other, so that is two or three."""
+
+    steps: dict[int, int] = field(default_factory=dict)
+    counts: Counter[int] = field(default_factory=Counter)
+
+    def set(self, rank: int, step: int | None) -> None:
+        old = self.steps.pop(rank, None)
+        if old is not None:
+            self.counts[old] -= 1
+            if not self.counts[old]:
+                del self.counts[old]
+        if step is not None:
+            self.steps[rank] = step
+            self.counts[step] += 1
+
+    def top(self) -> int:
+        return max(self.counts, default=-1)
+
+    def floor(self) -> int:
+        return min(self.counts, default=-1)
+
+
+@dataclass
 class EngineState:
     job_id: str
     config: JobStarted | None = None
@@ -66,22 +103,43 @@ class EngineState:
     incidents: list[Incident] = field(default_factory=list)
     needs_state: set[int] = field(default_factory=set)  # replaced ranks not yet restored
     resume_planned: bool = False
+    resume_step: int | None = None  # the current generation's, once planned
     position: int = -1  # last events position applied
     rejected: Counter[str] = field(default_factory=Counter)  # reason -> count
     last_rejection: str = ""  # the newest reason, for the loop to report
     fenced: int = 0  # records of stale generations ignored
+    engine_faults: list[str] = field(default_factory=list)  # the engine's own bugs, said aloud
+    failures: Counter[tuple[int, int]] = field(default_factory=Counter)  # (rank, step) -> count
+    spares_lost_unready: int = 0  # spares that died before they were ready (a broken script)
+    committed: StepIndex = field(default_factory=StepIndex)  # over the ranks that hold state
+    waiting: int = 0  # ranks whose last heartbeat said they wait inside commit()
 
     @property
     def world_size(self) -> int:
         return self.config.world_size if self.config else 0
 
+    def reject(self, reason: str) -> None:
+        self.rejected[reason] += 1
+        self.last_rejection = reason
+
     def open_incidents(self) -> list[Incident]:
-        return [i for i in self.incidents if i.machine.state not in ("closed", "fallback")]
+        return [i for i in self.incidents if i.machine.state in OPEN]
 
     def ready_spares(self) -> list[SpareView]:
         return sorted(
-            (s for s in self.spares.values() if s.status == "ready"), key=lambda s: s.spare_id
+            (s for s in self.spares.values() if s.status == SpareStatus.READY),
+            key=lambda s: s.spare_id,
         )
 
     def max_committed(self) -> int:
-        return max((r.committed_step for r in self.ranks.values()), default=-1)
+        return self.committed.top()
+
+    def set_committed(self, rank: int, step: int | None) -> None:
+        """A rank's committed step; None: it holds no state now (failed, awaiting restore)."""
+        self.ranks[rank].committed_step = -1 if step is None else step
+        self.committed.set(rank, step)
+
+    def set_waiting(self, rank: int, waiting: bool) -> None:
+        view = self.ranks[rank]
+        self.waiting += int(waiting) - int(view.waiting)
+        view.waiting = waiting

@@ -7,11 +7,42 @@ it; an illegal trigger raises IllegalTransition (never ignored) so the engine ca
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, ClassVar
 
 from transitions import Machine, MachineError
 
 from flashrecovery import errors
+
+
+class Trigger(StrEnum):
+    """Every move a machine can make. One vocabulary for all machines: a record that moves
+    several machines (a failure isolates the rank, the job and the incident) names one move."""
+
+    RUN = "run"
+    JOIN = "join"
+    READY = "ready"
+    SUSPECT = "suspect"
+    CLEAR = "clear"
+    FAIL = "fail"
+    ISOLATE = "isolate"
+    REPLACE = "replace"
+    REJOIN = "rejoin"
+    PAUSE = "pause"
+    REGROUP = "regroup"
+    BEGIN_RESTORE = "begin_restore"
+    END_RESTORE = "end_restore"
+    RESUME = "resume"
+    CLOSE = "close"
+    FINISH = "finish"
+    FALL_BACK = "fall_back"
+    COMPLETE = "complete"
+
+
+def arc(trigger: Trigger, source: StrEnum | list[StrEnum], dest: StrEnum) -> dict[str, Any]:
+    """One transition as `transitions` takes it, from enum members (plain strings inside)."""
+    sources = [str(s) for s in source] if isinstance(source, list) else str(source)
+    return {"trigger": str(trigger), "source": sources, "dest": str(dest)}
 
 
 @dataclass(frozen=True)
@@ -25,14 +56,14 @@ class Stamp:
 
 @dataclass(frozen=True)
 class Step:
-    trigger: str
+    trigger: Trigger
     source: str
     dest: str
     stamp: Stamp
 
 
 class IllegalTransition(errors.IllegalTransition):
-    def __init__(self, machine: str, trigger: str, state: str, stamp: Stamp) -> None:
+    def __init__(self, machine: str, trigger: Trigger, state: str, stamp: Stamp) -> None:
         super().__init__(
             f"{machine}: '{trigger}' is not allowed in state '{state}' "
             f"(record {stamp.cause} at position {stamp.position})"
@@ -49,22 +80,22 @@ class StateMachine:
     history: list[Step] = field(default_factory=list)
     state: str = field(init=False)
 
-    STATES: ClassVar[list[str]]
+    STATES: ClassVar[type[StrEnum]]
     TRANSITIONS: ClassVar[list[dict[str, Any]]]
-    INITIAL: ClassVar[str]
+    INITIAL: ClassVar[StrEnum]
 
     def __post_init__(self) -> None:
         self._machine = Machine(
             model=self,
-            states=self.STATES,
+            states=[str(state) for state in self.STATES],
             transitions=self.TRANSITIONS,
-            initial=self.INITIAL,
+            initial=str(self.INITIAL),
             auto_transitions=False,
             ignore_invalid_triggers=False,
             model_override=False,
         )
 
-    def fire(self, trigger: str, stamp: Stamp) -> None:
+    def fire(self, trigger: Trigger, stamp: Stamp) -> None:
         """Apply a trigger; raise IllegalTransition when the current state does not allow it."""
         source = self.state
         try:
@@ -75,7 +106,7 @@ class StateMachine:
             raise IllegalTransition(self.name, trigger, source, stamp)
         self.history.append(Step(trigger, source, self.state, stamp))
 
-    def can(self, trigger: str) -> bool:
+    def can(self, trigger: Trigger) -> bool:
         return trigger in self._machine.get_triggers(self.state)
 
     def entered(self, state: str) -> Stamp | None:

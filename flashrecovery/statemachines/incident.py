@@ -2,22 +2,46 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any, ClassVar
 
-from flashrecovery.statemachines.base import StateMachine
+from flashrecovery.statemachines.base import StateMachine, Trigger, arc
 
-PHASES = ["detected", "isolated", "replacement_ready", "regrouped", "restored", "resumed"]
+
+class IncidentState(StrEnum):
+    DETECTED = "detected"
+    ISOLATED = "isolated"
+    REPLACEMENT_READY = "replacement_ready"
+    REGROUPED = "regrouped"
+    RESTORED = "restored"
+    RESUMED = "resumed"
+    CLOSED = "closed"
+    FALLBACK = "fallback"
+    FAILED = "failed"  # the job failed instead of recovering (a crash loop)
+
+
+S = IncidentState
+PHASES: list[StrEnum] = [
+    S.DETECTED,
+    S.ISOLATED,
+    S.REPLACEMENT_READY,
+    S.REGROUPED,
+    S.RESTORED,
+    S.RESUMED,
+]
+OPEN = PHASES  # an incident in one of these has not ended
 
 
 class IncidentMachine(StateMachine):
-    STATES: ClassVar[list[str]] = [*PHASES, "closed", "fallback"]
-    INITIAL: ClassVar[str] = "detected"
+    STATES: ClassVar[type[StrEnum]] = IncidentState
+    INITIAL: ClassVar[StrEnum] = S.DETECTED
     TRANSITIONS: ClassVar[list[dict[str, Any]]] = [
-        {"trigger": "isolate", "source": "detected", "dest": "isolated"},
-        {"trigger": "replacement_ready", "source": "isolated", "dest": "replacement_ready"},
-        {"trigger": "regrouped", "source": "replacement_ready", "dest": "regrouped"},
-        {"trigger": "restored", "source": "regrouped", "dest": "restored"},
-        {"trigger": "resumed", "source": "restored", "dest": "resumed"},
-        {"trigger": "close", "source": "resumed", "dest": "closed"},
-        {"trigger": "fall_back", "source": PHASES[:-1], "dest": "fallback"},
+        arc(Trigger.ISOLATE, S.DETECTED, S.ISOLATED),
+        arc(Trigger.REPLACE, S.ISOLATED, S.REPLACEMENT_READY),
+        arc(Trigger.REGROUP, S.REPLACEMENT_READY, S.REGROUPED),
+        arc(Trigger.END_RESTORE, S.REGROUPED, S.RESTORED),
+        arc(Trigger.RESUME, S.RESTORED, S.RESUMED),
+        arc(Trigger.CLOSE, S.RESUMED, S.CLOSED),
+        arc(Trigger.FALL_BACK, PHASES[:-1], S.FALLBACK),
+        arc(Trigger.FAIL, PHASES, S.FAILED),
     ]

@@ -2,35 +2,40 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any, ClassVar
 
-from flashrecovery.statemachines.base import StateMachine
+from flashrecovery.statemachines.base import StateMachine, Trigger, arc
 
-RECOVERING = ["isolating", "regrouping", "restoring", "resuming"]
+
+class JobState(StrEnum):
+    STARTING = "starting"
+    RUNNING = "running"
+    ISOLATING = "isolating"
+    REGROUPING = "regrouping"
+    RESTORING = "restoring"
+    RESUMING = "resuming"
+    FALLBACK = "fallback"
+    COMPLETED = "completed"
+    FAILED = "failed"
+
+
+S = JobState
+RECOVERING: list[StrEnum] = [S.ISOLATING, S.REGROUPING, S.RESTORING, S.RESUMING]
+ENDED = (S.COMPLETED, S.FAILED)
 
 
 class JobMachine(StateMachine):
-    STATES: ClassVar[list[str]] = [
-        "starting",
-        "running",
-        *RECOVERING,
-        "fallback",
-        "completed",
-        "failed",
-    ]
-    INITIAL: ClassVar[str] = "starting"
+    STATES: ClassVar[type[StrEnum]] = JobState
+    INITIAL: ClassVar[StrEnum] = S.STARTING
     TRANSITIONS: ClassVar[list[dict[str, Any]]] = [
-        {"trigger": "run", "source": "starting", "dest": "running"},
-        {"trigger": "isolate", "source": ["starting", "running", *RECOVERING], "dest": "isolating"},
-        {"trigger": "regroup", "source": "isolating", "dest": "regrouping"},
-        {"trigger": "restore", "source": "regrouping", "dest": "restoring"},
-        {"trigger": "resume", "source": "restoring", "dest": "resuming"},
-        {"trigger": "recovered", "source": "resuming", "dest": "running"},
-        {"trigger": "fall_back", "source": RECOVERING, "dest": "fallback"},
-        {"trigger": "complete", "source": ["running", "starting"], "dest": "completed"},
-        {
-            "trigger": "fail",
-            "source": ["starting", "running", *RECOVERING, "fallback"],
-            "dest": "failed",
-        },
+        arc(Trigger.RUN, S.STARTING, S.RUNNING),
+        arc(Trigger.ISOLATE, [S.STARTING, S.RUNNING, *RECOVERING], S.ISOLATING),
+        arc(Trigger.REGROUP, S.ISOLATING, S.REGROUPING),
+        arc(Trigger.BEGIN_RESTORE, S.REGROUPING, S.RESTORING),
+        arc(Trigger.END_RESTORE, S.RESTORING, S.RESUMING),
+        arc(Trigger.RESUME, S.RESUMING, S.RUNNING),
+        arc(Trigger.FALL_BACK, RECOVERING, S.FALLBACK),
+        arc(Trigger.COMPLETE, [S.RUNNING, S.STARTING], S.COMPLETED),
+        arc(Trigger.FAIL, [S.STARTING, S.RUNNING, *RECOVERING, S.FALLBACK], S.FAILED),
     ]

@@ -2,42 +2,43 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any, ClassVar
 
-from flashrecovery.statemachines.base import StateMachine
+from flashrecovery.statemachines.base import StateMachine, Trigger, arc
 
-ALIVE = ["joining", "healthy", "suspect", "paused", "restoring"]
+
+class RankState(StrEnum):
+    PENDING = "pending"
+    JOINING = "joining"
+    HEALTHY = "healthy"
+    SUSPECT = "suspect"
+    FAILED = "failed"
+    ISOLATED = "isolated"
+    REPLACED = "replaced"
+    PAUSED = "paused"
+    RESTORING = "restoring"
+    FINISHED = "finished"
+
+
+S = RankState
+ALIVE: list[StrEnum] = [S.JOINING, S.HEALTHY, S.SUSPECT, S.PAUSED, S.RESTORING]
 
 
 class RankMachine(StateMachine):
-    STATES: ClassVar[list[str]] = [
-        "pending",
-        "joining",
-        "healthy",
-        "suspect",
-        "failed",
-        "isolated",
-        "replaced",
-        "paused",
-        "restoring",
-        "finished",
-    ]
-    INITIAL: ClassVar[str] = "pending"
+    STATES: ClassVar[type[StrEnum]] = RankState
+    INITIAL: ClassVar[StrEnum] = S.PENDING
     TRANSITIONS: ClassVar[list[dict[str, Any]]] = [
-        {"trigger": "join", "source": "pending", "dest": "joining"},
-        {"trigger": "ready", "source": "joining", "dest": "healthy"},
-        {"trigger": "suspect", "source": "healthy", "dest": "suspect"},
-        {"trigger": "clear", "source": "suspect", "dest": "healthy"},
-        {"trigger": "fail", "source": [*ALIVE, "pending"], "dest": "failed"},
-        {"trigger": "isolate", "source": "failed", "dest": "isolated"},
-        {"trigger": "replace", "source": "isolated", "dest": "replaced"},
-        {"trigger": "rejoin", "source": "replaced", "dest": "joining"},
-        {
-            "trigger": "pause",
-            "source": ["healthy", "suspect", "joining", "restoring"],
-            "dest": "paused",
-        },
-        {"trigger": "restore", "source": "paused", "dest": "restoring"},
-        {"trigger": "restored", "source": "restoring", "dest": "healthy"},
-        {"trigger": "finish", "source": ["healthy", "suspect"], "dest": "finished"},
+        arc(Trigger.JOIN, S.PENDING, S.JOINING),
+        arc(Trigger.READY, S.JOINING, S.HEALTHY),
+        arc(Trigger.SUSPECT, S.HEALTHY, S.SUSPECT),
+        arc(Trigger.CLEAR, S.SUSPECT, S.HEALTHY),
+        arc(Trigger.FAIL, [*ALIVE, S.PENDING], S.FAILED),
+        arc(Trigger.ISOLATE, S.FAILED, S.ISOLATED),
+        arc(Trigger.REPLACE, S.ISOLATED, S.REPLACED),
+        arc(Trigger.REJOIN, S.REPLACED, S.JOINING),
+        arc(Trigger.PAUSE, [S.HEALTHY, S.SUSPECT, S.JOINING, S.RESTORING], S.PAUSED),
+        arc(Trigger.BEGIN_RESTORE, S.PAUSED, S.RESTORING),
+        arc(Trigger.END_RESTORE, S.RESTORING, S.HEALTHY),
+        arc(Trigger.FINISH, [S.HEALTHY, S.SUSPECT], S.FINISHED),
     ]

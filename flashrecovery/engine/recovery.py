@@ -1,0 +1,281 @@
+"""What a failure sets in motion, as pure steps of the decide call: open an incident, isolate
+the rank, choose its replacement, plan the next generation, plan the restore, close the incident
+once every member committed past the resume step. Also the guards that end a job instead of
+recovering it again (a crash loop, too many incidents) and the care of the spare pool.
+"""
+
+from __future__ import annotations
+
+from flashrecovery.engine import planner
+from flashrecovery.engine.context import Context
+from flashrecovery.engine.state import EngineState, Incident, RankView, SpareStatus, SpareView
+from flashrecovery.errors import Rejected
+from flashrecovery.records import (
+    AssignSpare,
+    FailJob,
+    FallbackToCheckpoint,
+    IncidentClosed,
+    IsolateRank,
+    RegroupPlanned,
+    ResumePlanned,
+    RetireSpare,
+    SpawnReplacement,
+)
+from flashrecovery.statemachines.base import Trigger
+from flashrecovery.statemachines.incident import PHASES, IncidentMachine, IncidentState
+from flashrecovery.statemachines.job import JobState
+from flashrecovery.statemachines.rank import ALIVE, RankState
+
+
+def clear_suspicion(ctx: Context, view: RankView) -> None:
+    if view.machine.state == RankState.SUSPECT:
+        ctx.fire(view.machine, Trigger.CLEAR)
+
+
+def fail(ctx: Context, rank: int, failure_ts: float, reason: str) -> None:
+    """Open an incident for a rank that is alive in the current generation: isolate it, then
+    either end the job (a guard tripped) or choose its replacement and plan the next
+    generation, in one decide step."""
+    state = ctx.state
+    view = state.ranks[rank]
+    if view.machine.state not in (*ALIVE, RankState.PENDING):
+        return  # already being replaced, or finished: nothing new to decide
+    if state.job.state in (JobState.COMPLETED, JobState.FAILED, JobState.FALLBACK):
+        raise Rejected(f"the job is {state.job.state}")
+    if any(v.machine.state == RankState.FINISHED for v in state.ranks.values()):
+        return  # every step is committed everywhere: the job is ending, nothing to recover
+    number = len(state.incidents) + 1
+    incident = Incident(
+        incident_id=f"{state.job_id}-incident-{number}",
+        failed_rank=rank,
+        failure_ts=min(failure_ts, ctx.record.ts),
+        generation=state.generation + 1,
+        machine=IncidentMachine(f"incident:{number}"),
+        committed_before=state.max_committed(),
+        detected=ctx.stamp,
+        reason=reason,
+    )
+    state.incidents.append(incident)
+    ctx.fire(view.machine, Trigger.FAIL)
+    ctx.emit(IsolateRank, rank=rank, pid=view.pid, reason=reason, incident_id=incident.incident_id)
+    ctx.fire(view.machine, Trigger.ISOLATE)
+    ctx.fire(incident.machine, Trigger.ISOLATE)
+    ctx.fire(state.job, Trigger.ISOLATE)
+    if _guard_tripped(ctx, rank, reason, incident):
+        return
+
+    state.generation += 1
+    choose_replacement(ctx, rank, incident.incident_id)
+    state.set_committed(rank, None)
+    state.needs_state.add(rank)
+    state.resume_planned = False
+    state.resume_step = None
+    for r, member in state.ranks.items():
+        member.regrouped_step = None
+        state.set_waiting(r, False)
+        if member.machine.state in ALIVE and member.machine.state != RankState.PAUSED:
+            ctx.fire(member.machine, Trigger.PAUSE)
+            member.last_heartbeat_ts = ctx.record.ts  # silence is timed from the regroup on
+    for open_incident in state.open_incidents():
+        open_incident.generation = state.generation
+    ctx.emit(
+        RegroupPlanned,
+        members=sorted(state.ranks),
+        replaced=sorted(state.needs_state),
+        incident_id=incident.incident_id,
+    )
+    ctx.fire(state.job, Trigger.REGROUP)
+
+
+def _guard_tripped(ctx: Context, rank: int, error: str, incident: Incident) -> bool:
+    """Count the failure at the job's committed step; fail the job instead of recovering when
+    the rank keeps failing there, or when the job has had its allowed incidents."""
+    state, config = ctx.state, ctx.state.config
+    assert config is not None
+    step = state.max_committed()
+    state.failures[(rank, step)] += 1
+    failures = state.failures[(rank, step)]
+    if failures >= config.max_replacements:
+        where = "before its first step" if step < 0 else f"at committed step {step}"
+        verdict = f"rank {rank} failed {failures} times {where} (--max-replacements)"
+    elif config.max_incidents is not None and len(state.incidents) > config.max_incidents:
+        verdict = f"incident {len(state.incidents)} exceeds --max-incidents {config.max_incidents}"
+    else:
+        return False
+    ctx.emit(
+        FailJob,
+        rank=rank,
+        step=step,
+        failures=failures,
+        last_error=error,
+        reason=verdict,
+        incident_id=incident.incident_id,
+    )
+    for open_incident in state.open_incidents():
+        ctx.fire(open_incident.machine, Trigger.FAIL)
+    ctx.fire(state.job, Trigger.FAIL)
+    return True
+
+
+def replacement_died(ctx: Context, rank: int, error: str) -> None:
+    """The process chosen to replace ``rank`` died before it took over: it counts as another
+    failure of the rank (a script that can't start loops here), then try again."""
+    state = ctx.state
+    incident = next(i for i in reversed(state.open_incidents()) if i.failed_rank == rank)
+    if not _guard_tripped(ctx, rank, error, incident):
+        choose_replacement(ctx, rank, incident.incident_id)
+
+
+def choose_replacement(ctx: Context, rank: int, incident_id: str) -> None:
+    """A ready spare if there is one, else a fresh process; the rank's pid becomes the spare's
+    at once, so that its death before it takes over is recognised."""
+    state, view = ctx.state, ctx.state.ranks[rank]
+    spare_id = planner.choose_spare(state)
+    if spare_id is not None:
+        ctx.emit(AssignSpare, rank=rank, spare_id=spare_id, incident_id=incident_id)
+        state.spares[spare_id].status = SpareStatus.ASSIGNED
+        view.pid = state.spares[spare_id].pid
+    else:
+        ctx.emit(SpawnReplacement, rank=rank, incident_id=incident_id)
+        view.pid = None
+
+
+def replacement_ready(ctx: Context, rank: int, pid: int, *, warm: bool) -> None:
+    """The replacement process holds the rank now. A warm spare heartbeats at once; a fresh
+    process gets the start-up grace before its silence counts."""
+    state, view = ctx.state, ctx.state.ranks[rank]
+    if view.machine.state != RankState.ISOLATED:
+        if view.pid == pid:
+            return  # the replacement's own regroup record came first
+        raise Rejected(f"rank {rank} is {view.machine.state}, not waiting for a replacement")
+    view.pid = pid
+    view.last_heartbeat_ts = ctx.record.ts
+    config = state.config
+    view.grace_until_ts = None if warm or config is None else ctx.record.ts + config.startup_grace_s
+    ctx.fire(view.machine, Trigger.REPLACE)
+    ctx.fire(view.machine, Trigger.REJOIN)
+    for incident in state.open_incidents():
+        if incident.failed_rank == rank and incident.machine.can(Trigger.REPLACE):
+            ctx.fire(incident.machine, Trigger.REPLACE)
+
+
+def plan_resume(ctx: Context) -> None:
+    """Every member regrouped: name the resume step and a donor per shard, or fall back."""
+    state = ctx.state
+    for incident in state.open_incidents():
+        if incident.machine.can(Trigger.REGROUP):
+            ctx.fire(incident.machine, Trigger.REGROUP)
+    plan = planner.plan_resume(state)
+    if isinstance(plan, planner.NoReplica):
+        ctx.emit(
+            FallbackToCheckpoint,
+            reason=f"no healthy replica holds shard(s) {plan.shards}",
+            shards=plan.shards,
+            incident_id=latest_incident_id(state),
+        )
+        for incident in state.open_incidents():
+            ctx.fire(incident.machine, Trigger.FALL_BACK)
+        ctx.fire(state.job, Trigger.FALL_BACK)
+        return
+    ctx.emit(
+        ResumePlanned,
+        resume_step=plan.resume_step,
+        donors=plan.donors,
+        recipients=plan.recipients,
+        incident_id=latest_incident_id(state),
+    )
+    state.resume_planned = True
+    state.resume_step = plan.resume_step
+    for incident in state.open_incidents():
+        incident.resume_step = plan.resume_step
+    ctx.fire(state.job, Trigger.BEGIN_RESTORE)
+    for rank, member in state.ranks.items():
+        ctx.fire(member.machine, Trigger.BEGIN_RESTORE)
+        if rank not in plan.recipients:
+            ctx.fire(member.machine, Trigger.END_RESTORE)
+            member.last_heartbeat_ts = ctx.record.ts
+            state.set_committed(rank, plan.resume_step)
+    maybe_restored(ctx)
+
+
+def current_resume_step(state: EngineState) -> int:
+    if state.resume_step is None:
+        raise Rejected("no resume plan in this generation")
+    return state.resume_step
+
+
+def maybe_restored(ctx: Context) -> None:
+    state = ctx.state
+    if any(v.machine.state == RankState.RESTORING for v in state.ranks.values()):
+        return
+    for incident in state.open_incidents():
+        if incident.machine.can(Trigger.END_RESTORE):
+            ctx.fire(incident.machine, Trigger.END_RESTORE)
+    if state.job.state == JobState.RESTORING:
+        ctx.fire(state.job, Trigger.END_RESTORE)
+
+
+def maybe_close_incidents(ctx: Context) -> None:
+    state = ctx.state
+    if state.job.state != JobState.RESUMING or state.resume_step is None:
+        return
+    resume_step = state.resume_step
+    if any(
+        v.committed_step <= resume_step and v.machine.state != RankState.FINISHED
+        for v in state.ranks.values()
+    ):
+        return
+    for incident in state.open_incidents():
+        ctx.fire(incident.machine, Trigger.RESUME)
+        ctx.fire(incident.machine, Trigger.CLOSE)
+        ctx.emit(
+            IncidentClosed,
+            incident_id=incident.incident_id,
+            failed_rank=incident.failed_rank,
+            rto_s=round(ctx.record.ts - incident.failure_ts, 6),
+            rpo_steps=max(0, incident.committed_before - resume_step),
+            recomputed_steps=max(0, incident.committed_before + 1 - resume_step),
+            phases=phase_durations(incident),
+        )
+    ctx.fire(state.job, Trigger.RESUME)
+
+
+def phase_durations(incident: Incident) -> dict[str, float]:
+    """Seconds spent reaching each phase from the previous one (failure -> detected -> …)."""
+    durations: dict[str, float] = {}
+    previous = incident.failure_ts
+    for phase in PHASES:
+        stamp = (
+            incident.detected
+            if phase == IncidentState.DETECTED
+            else incident.machine.entered(phase)
+        )
+        if stamp is None:
+            continue
+        durations[str(phase)] = round(max(0.0, stamp.ts - previous), 6)
+        previous = max(previous, stamp.ts)
+    return durations
+
+
+def latest_incident_id(state: EngineState) -> str | None:
+    return state.incidents[-1].incident_id if state.incidents else None
+
+
+# ------------------------------------------------------------------ the spare pool
+
+
+def retire_spare(ctx: Context, spare: SpareView, reason: str) -> None:
+    """An idle spare died or went silent: out of the pool (never assigned), and replaced."""
+    spare.status = SpareStatus.GONE
+    ctx.emit(RetireSpare, spare_id=spare.spare_id, pid=spare.pid, reason=reason)
+
+
+def spare_lost_unready(ctx: Context, spare_id: int, pid: int, how: str) -> None:
+    """A spare died before it was ever ready. Replaced as long as that has not happened
+    max_replacements times in the job: a script that can't start must not respawn for ever."""
+    state, config = ctx.state, ctx.state.config
+    assert config is not None
+    state.spares_lost_unready += 1
+    refill = state.spares_lost_unready < config.max_replacements
+    reason = f"exited before it was ready ({how})"
+    ctx.emit(RetireSpare, spare_id=spare_id, pid=pid, reason=reason, refill=refill)
