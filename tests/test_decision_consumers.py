@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from flashrecovery.agent.actions import Actions
+from flashrecovery.agent.actions import Actions, SpawnBudget
 from flashrecovery.connectors.base import Entry
 from flashrecovery.connectors.memory import MemoryLog
 from flashrecovery.errors import LogError
@@ -33,7 +33,14 @@ class CountingSupervisor:
 
 def test_a_decision_written_twice_is_carried_out_once() -> None:
     supervisor, reports = CountingSupervisor(), []
-    actions = Actions(supervisor, store=None, report=reports.append, job_id=JOB, spares=0)  # type: ignore[arg-type]
+    actions = Actions(
+        supervisor,  # type: ignore[arg-type]
+        store=None,  # type: ignore[arg-type]
+        report=reports.append,
+        job_id=JOB,
+        spares=0,
+        budget=SpawnBudget(1, 1.0),
+    )
     spawn = SpawnReplacement(
         record_id=f"{JOB}:7:1", job_id=JOB, generation=1, source="engine", caused_by=7, rank=2
     )

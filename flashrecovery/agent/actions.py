@@ -1,12 +1,15 @@
 """Carrying out the engine's decisions on processes (docs/protocol.md, "Recovery").
 
 The engine decides; this module only acts: kill, hand a spare its rank, spawn a replacement,
-refill the spare pool, and say which decision ends the job.
+keep the spare pool full, and say which decision ends the job. New processes are started no
+faster than a bounded rate, so nothing can fork without end, whatever the decisions say.
 """
 
 from __future__ import annotations
 
 import json
+import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -17,13 +20,34 @@ from flashrecovery.records import (
     AssignSpare,
     Decision,
     Envelope,
+    FailJob,
     FallbackToCheckpoint,
     IncidentClosed,
     IsolateRank,
     ReplacementSpawned,
+    RetireSpare,
     SpareActivated,
     SpawnReplacement,
 )
+
+SPAWNS_PER_S = 2.0  # new processes per second, past a burst of one per rank and spare
+
+
+class SpawnBudget:
+    """A token bucket: ``burst`` processes at once, then ``rate`` per second."""
+
+    def __init__(self, burst: int, rate: float, clock: Callable[[], float] = time.monotonic):
+        self._burst, self._rate, self._clock = float(burst), rate, clock
+        self._tokens, self._at = float(burst), clock()
+
+    def take(self) -> bool:
+        now = self._clock()
+        self._tokens = min(self._burst, self._tokens + (now - self._at) * self._rate)
+        self._at = now
+        if self._tokens < 1:
+            return False
+        self._tokens -= 1
+        return True
 
 
 class Actions:
@@ -34,12 +58,18 @@ class Actions:
         report: Callable[[Envelope], None],
         job_id: str,
         spares: int,
+        budget: SpawnBudget,
+        *,
+        refill_at_once: bool = True,
     ) -> None:
         self._supervisor = supervisor
         self._store = store
         self._report = report
         self._job_id = job_id
         self._spares = spares  # the pool size to keep
+        self._refill_at_once = refill_at_once  # a taken spare is replaced at once
+        self._budget = budget
+        self._deferred: deque[Callable[[], object]] = deque()  # spawns waiting for the budget
         self._done: set[str] = set()  # decision ids carried out (ids are deterministic)
 
     def apply(self, decision: Decision) -> str | None:
@@ -53,21 +83,40 @@ class Actions:
                 self._supervisor.kill(decision.pid)
         elif isinstance(decision, AssignSpare):
             self._assign_spare(decision)
+            if self._refill_at_once:
+                self._spawn(self._supervisor.spawn_spare)
         elif isinstance(decision, SpawnReplacement):
-            child = self._supervisor.spawn_rank(
-                decision.rank, generation=decision.generation, replacement=True
-            )
-            self._report(
-                ReplacementSpawned(**self._envelope(decision), rank=decision.rank, pid=child.pid)
-            )
+            self._spawn(lambda: self._spawn_replacement(decision))
+        elif isinstance(decision, RetireSpare):
+            if decision.pid is not None:
+                self._supervisor.kill(decision.pid)
+            if decision.refill:
+                self._spawn(self._supervisor.spawn_spare)
         elif isinstance(decision, IncidentClosed):
-            # Refill only now: a spare starting up (import torch, warm-up) would compete for
-            # the CPU with the recovery it is meant to speed up.
-            for _ in range(self._spares - self._supervisor.idle_spares()):
-                self._supervisor.spawn_spare()
+            for _ in range(self._spares - self._supervisor.idle_spares() - len(self._deferred)):
+                self._spawn(self._supervisor.spawn_spare)
         elif isinstance(decision, FallbackToCheckpoint):
             return f"fallback to checkpoint: {decision.reason}"
+        elif isinstance(decision, FailJob):
+            return f"{decision.reason}; last error: {decision.last_error}"
         return None
+
+    def tick(self) -> None:
+        """Start the deferred processes the budget allows now (called between decisions)."""
+        while self._deferred and self._budget.take():
+            self._deferred.popleft()()
+
+    def _spawn(self, start: Callable[[], object]) -> None:
+        self._deferred.append(start)
+        self.tick()
+
+    def _spawn_replacement(self, decision: SpawnReplacement) -> None:
+        child = self._supervisor.spawn_rank(
+            decision.rank, generation=decision.generation, replacement=True
+        )
+        self._report(
+            ReplacementSpawned(**self._envelope(decision), rank=decision.rank, pid=child.pid)
+        )
 
     def _assign_spare(self, decision: AssignSpare) -> None:
         child = self._supervisor.assign(decision.spare_id, decision.rank, decision.generation)

@@ -14,6 +14,7 @@ from flashrecovery.errors import ConfigError, LogError
 from flashrecovery.records import Stream
 from flashrecovery.trainer_hooks.faults import Fault
 
+SPARE_REFILL = ("immediate", "after-recovery")
 _JOB_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
 
 
@@ -30,6 +31,9 @@ class AgentConfig:
     external_engine: bool = False  # decisions come from `flashrecovery engine` services
     faults: dict[int, str] = field(default_factory=dict)  # rank -> FLASHRECOVERY_FAULT (tests)
     output_dir: Path | None = None  # each child's stdout+stderr in its own file; else inherited
+    max_replacements: int = 3  # the same rank failing this often at one step fails the job
+    max_incidents: int | None = None  # incidents recovered at most (None: no bound)
+    spare_refill: str = "immediate"  # or "after-recovery": when a taken spare is replaced
 
     def resolved(self) -> AgentConfig:
         """The config with defaults filled in and every argument checked (ConfigError)."""
@@ -45,6 +49,14 @@ class AgentConfig:
             )
         if not self.stall_floor_s > 0:
             raise ConfigError(f"--stall-timeout must be positive, got {self.stall_floor_s}")
+        if self.max_replacements < 1:
+            raise ConfigError(f"--max-replacements must be at least 1, got {self.max_replacements}")
+        if self.max_incidents is not None and self.max_incidents < 1:
+            raise ConfigError(f"--max-incidents must be at least 1, got {self.max_incidents}")
+        if self.spare_refill not in SPARE_REFILL:
+            raise ConfigError(
+                f"--spare-refill {self.spare_refill!r}: expected one of {', '.join(SPARE_REFILL)}"
+            )
         job_id = self.job_id or f"job-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         if not _JOB_ID.match(job_id):
             raise ConfigError(f"job id {job_id!r} may hold only letters, digits, '_', '.', '-'")

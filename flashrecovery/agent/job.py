@@ -17,7 +17,7 @@ import structlog
 import torch.distributed as dist
 
 import flashrecovery
-from flashrecovery.agent.actions import Actions
+from flashrecovery.agent.actions import SPAWNS_PER_S, Actions, SpawnBudget
 from flashrecovery.agent.config import AgentConfig
 from flashrecovery.agent.supervisor import Child, Supervisor
 from flashrecovery.connectors import open_log
@@ -74,6 +74,8 @@ class Agent:
                 spares=config.spares,
                 heartbeat_interval_s=config.heartbeat_interval_s,
                 stall_floor_s=config.stall_floor_s,
+                max_replacements=config.max_replacements,
+                max_incidents=config.max_incidents,
             )
         )
         engine = None if config.external_engine else EngineLoop(self.log_url, self.job_id).start()
@@ -83,7 +85,15 @@ class Agent:
             self._on_exit,
             config.output_dir,
         )
-        actions = Actions(supervisor, store, self._report, self.job_id, config.spares)
+        actions = Actions(
+            supervisor,
+            store,
+            self._report,
+            self.job_id,
+            config.spares,
+            SpawnBudget(config.nproc + config.spares, SPAWNS_PER_S),
+            refill_at_once=config.spare_refill == "immediate",
+        )
         previous = _handle_signals()
         outcome = Outcome("failed", 1, "interrupted")
         try:
@@ -104,6 +114,8 @@ class Agent:
                     engine.stop()
                 _restore_signals(previous)
                 self._log.close()
+        if outcome.status != "completed":
+            print(f"flashrecovery: job {self.job_id} failed: {outcome.detail}", file=sys.stderr)
         return outcome.exit_code
 
     def _finish_report(self, outcome: Outcome) -> None:
@@ -140,6 +152,7 @@ class Agent:
                     reason = actions.apply(entry.record)
                     if reason is not None:
                         return Outcome("failed", 1, reason)
+            actions.tick()
             if supervisor.ranks_done(world):
                 return Outcome("completed", 0)
             if self._stop.is_set():

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from flashrecovery.agent.config import AgentConfig
+from flashrecovery.agent.config import SPARE_REFILL, AgentConfig
 from flashrecovery.errors import ConfigError
 
 
@@ -40,6 +40,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run no engine in the agent: the job's decisions come from `flashrecovery engine "
         "--log URL --job ID` services (several may share the job through a lease)",
+    )
+    parser.add_argument(
+        "--max-replacements",
+        type=int,
+        default=3,
+        metavar="N",
+        help="the job fails when the same rank fails N times at the same committed step (a crash "
+        "loop; a rank that never reaches its first step fails at step -1) (default 3)",
+    )
+    parser.add_argument(
+        "--max-incidents",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the job fails at its incident N+1 (default: no bound)",
+    )
+    parser.add_argument(
+        "--spare-refill",
+        choices=SPARE_REFILL,
+        default="immediate",
+        help="start a new spare as soon as one is taken (immediate, the default) or once the "
+        "recovery that took it is over (after-recovery); a spare that dies or goes silent is "
+        "replaced at once either way",
     )
     parser.add_argument(
         "--output-dir",
@@ -86,6 +109,9 @@ def run(args: argparse.Namespace) -> int:
                 external_engine=args.external_engine,
                 faults=_faults(args.fault),
                 output_dir=args.output_dir,
+                max_replacements=args.max_replacements,
+                max_incidents=args.max_incidents,
+                spare_refill=args.spare_refill,
             )
         )
     except ConfigError as exc:

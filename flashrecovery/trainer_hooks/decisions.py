@@ -15,9 +15,10 @@ from typing import TypeVar, cast
 
 from flashrecovery.connectors.base import LogConnector
 from flashrecovery.connectors.follow import StreamCursor
-from flashrecovery.errors import FallbackRequired
+from flashrecovery.errors import FallbackRequired, JobFailed
 from flashrecovery.records import (
     Decision,
+    FailJob,
     FallbackToCheckpoint,
     IsolateRank,
     RegroupPlanned,
@@ -37,6 +38,7 @@ class DecisionFollower:
         self._regroup: RegroupPlanned | None = None  # the newest
         self._resumes: dict[int, ResumePlanned] = {}
         self._fallback: FallbackToCheckpoint | None = None
+        self._failed: FailJob | None = None
         self._isolated: set[int] = set()  # pids the engine fenced off
         self._stop = threading.Event()
         self._cursor = StreamCursor(log, Stream.DECISIONS, job_id, stop=self._stop)
@@ -79,6 +81,8 @@ class DecisionFollower:
                 self._resumes[decision.generation] = decision
             elif isinstance(decision, FallbackToCheckpoint):
                 self._fallback = decision
+            elif isinstance(decision, FailJob):
+                self._failed = decision
             elif isinstance(decision, IsolateRank) and decision.pid is not None:
                 self._isolated.add(decision.pid)
             else:
@@ -91,6 +95,8 @@ class DecisionFollower:
         deadline = time.monotonic() + timeout
         with self._changed:
             while True:
+                if self._failed is not None:
+                    raise JobFailed(f"the job failed: {self._failed.reason}")
                 if self._fallback is not None:
                     raise FallbackRequired(
                         f"the job falls back to its checkpoint: {self._fallback.reason}"

@@ -9,16 +9,19 @@ from collections.abc import Callable
 
 from flashrecovery.connectors.base import LogConnector
 from flashrecovery.errors import LogError
-from flashrecovery.records import Heartbeat, Stream
+from flashrecovery.records import Heartbeat, SpareHeartbeat, Stream
 
 
 class HeartbeatThread:
     def __init__(
-        self, log: LogConnector, interval_s: float, beat: Callable[[], Heartbeat | None]
+        self,
+        log: LogConnector,
+        interval_s: float,
+        beat: Callable[[], Heartbeat | SpareHeartbeat | None],
     ) -> None:
         self._log = log
         self._interval_s = interval_s
-        self._beat = beat  # builds the current heartbeat, None while holding no rank
+        self._beat = beat  # builds the current heartbeat; None: nothing to say yet
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name="flashrecovery-heartbeat", daemon=True

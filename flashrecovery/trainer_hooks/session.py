@@ -34,6 +34,7 @@ from flashrecovery.records import (
     RankJoined,
     RankRegrouped,
     ResumePlanned,
+    SpareHeartbeat,
     SpareReady,
     StateTransferred,
     StepCompleted,
@@ -79,6 +80,7 @@ class Session:
         self._open_step: int | None = None
         self._waiting = False
         self._step_started = 0.0
+        self._spare_ready = False  # an idle spare heartbeats once it has said it is ready
         self._rng_at_step: dict[str, Any] = {}
         self._release_lock = threading.Lock()
         # The wait in progress that only a newer generation cuts short, and how to cut it.
@@ -140,6 +142,7 @@ class Session:
                 model.zero_grad(set_to_none=True)
             assert self._env.spare_id is not None
             self._append(SpareReady, spare_id=self._env.spare_id, pid=self._pid, host=self._host)
+            self._spare_ready = True
 
     def steps(self, total: int) -> Iterator[int]:
         """Yield the steps to compute, 0..total-1; after a recovery, the step after the one
@@ -379,9 +382,11 @@ class Session:
         source = f"rank:{self._rank}" if self._rank is not None else f"spare:{self._env.spare_id}"
         return {"job_id": self._env.job_id, "generation": self._generation, "source": source}
 
-    def _beat(self) -> Heartbeat | None:
+    def _beat(self) -> Heartbeat | SpareHeartbeat | None:
         if self._rank is None:
-            return None
+            if not self._spare_ready or self._env.spare_id is None:
+                return None
+            return SpareHeartbeat(**self._envelope(), spare_id=self._env.spare_id, pid=self._pid)
         return Heartbeat(
             **self._envelope(),
             rank=self._rank,

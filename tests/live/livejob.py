@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import torch
 
 from flashrecovery.agent import Agent, AgentConfig
 from flashrecovery.connectors import LogConnector, open_log
-from flashrecovery.records import Stream
+from flashrecovery.records import Envelope, Stream
 
 SCRIPT = Path(__file__).parent.parent / "scripts" / "train_mlp.py"
 WORLD = 3
@@ -54,6 +55,19 @@ class JobResult:
         return {r.pid for r in self.records() if hasattr(r, "pid") and r.type != "heartbeat"}
 
 
+@dataclass
+class Processes:
+    """What the log has said so far about who holds what."""
+
+    ranks: dict[int, int] = field(default_factory=dict)  # rank -> pid of its current process
+    spares: dict[int, int] = field(default_factory=dict)  # spare id -> pid, once ready
+
+
+# A step of a scenario: called with each new event and the processes known so far; returns True
+# once it has done its part (the next step is then called from the following event on).
+Scenario = Callable[[Envelope, Processes], bool]
+
+
 def _alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -72,15 +86,22 @@ def run_job(
     stall_floor_s: float = 5.0,
     external_engine: bool = False,
     step_time_s: float = STEP_TIME_S,
+    script: Path = SCRIPT,
+    script_args: list[str] | None = None,
+    scenario: list[Scenario] | None = None,
+    max_replacements: int = 3,
+    spare_refill: str = "immediate",
 ) -> JobResult:
     """Run the training script on ``nproc`` ranks; ``kill_at`` maps rank -> the step after whose
-    commit (as the log shows it) the rank's process is SIGKILLed from outside."""
+    commit (as the log shows it) the rank's process is SIGKILLed from outside; ``scenario``
+    steps run in order as the events arrive."""
     out = tmp_path / "out"
     out.mkdir()
+    args = ["--steps", str(STEPS), "--out", str(out), "--step-time", str(step_time_s)]
     agent = Agent(
         AgentConfig(
-            script=SCRIPT,
-            script_args=["--steps", str(STEPS), "--out", str(out), "--step-time", str(step_time_s)],
+            script=script,
+            script_args=[*args, *(script_args or [])],
             nproc=nproc,
             spares=spares,
             log_url=log_url or f"sqlite:///{tmp_path / 'log.db'}",
@@ -90,13 +111,16 @@ def run_job(
             external_engine=external_engine,
             faults=faults or {},
             output_dir=tmp_path / "output",
+            max_replacements=max_replacements,
+            spare_refill=spare_refill,
         )
     )
     result: dict[str, int] = {}
     thread = threading.Thread(target=lambda: result.setdefault("code", agent.run()), daemon=True)
     thread.start()
     log = open_log(agent.log_url)
-    pending, pids, killed = dict(kill_at or {}), {}, {}
+    pending, known, killed = dict(kill_at or {}), Processes(), {}
+    steps = list(scenario or [])
     position = 0
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while thread.is_alive():
@@ -107,11 +131,15 @@ def run_job(
             record = entry.record
             assert record is not None, entry.error
             if record.type in ("rank_joined", "spare_activated", "replacement_spawned"):
-                pids[record.rank] = record.pid
+                known.ranks[record.rank] = record.pid
+            if record.type == "spare_ready":
+                known.spares[record.spare_id] = record.pid
             if record.type == "step_completed" and pending.get(record.rank, STEPS) <= record.step:
-                os.kill(pids[record.rank], signal.SIGKILL)
-                killed[record.rank] = pids[record.rank]
+                os.kill(known.ranks[record.rank], signal.SIGKILL)
+                killed[record.rank] = known.ranks[record.rank]
                 del pending[record.rank]
+            if steps and steps[0](record, known):
+                steps.pop(0)
     thread.join(JOB_TIMEOUT_S)
     job = JobResult(result.get("code", -1), log, agent.job_id, out, killed)
     left = [pid for pid in job.pids() if _alive(pid)]

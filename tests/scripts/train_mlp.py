@@ -21,12 +21,33 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x.sum(dim=1, keepdim=True).sin()
 
 
+def hold(gate: Path, limit_s: float = 60.0) -> None:
+    """Wait (bounded) for the test to open the gate: it does so once its faults are in place."""
+    deadline = time.monotonic() + limit_s
+    while not gate.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{gate} did not appear within {limit_s:.0f}s")
+        time.sleep(0.05)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--out", type=Path, required=True, help="final parameters go here")
     parser.add_argument("--step-time", type=float, default=0.0, help="simulated compute, s")
+    parser.add_argument(
+        "--raise-at", default=None, metavar="RANK@STEP", help="every process of RANK raises there"
+    )
+    parser.add_argument(
+        "--hold-at",
+        type=int,
+        default=None,
+        metavar="STEP",
+        help="before STEP, wait until --hold-file exists (a test's gate; heartbeats go on)",
+    )
+    parser.add_argument("--hold-file", type=Path, default=None)
     args = parser.parse_args()
+    raise_rank, _, raise_step = (args.raise_at or "-1@-1").partition("@")
 
     torch.set_num_threads(1)
     session = init()
@@ -43,6 +64,10 @@ def main() -> None:
     session.register(model, optimizer, warmup=warmup)
     with session:
         for step in session.steps(args.steps):
+            if step == args.hold_at:
+                hold(args.hold_file)
+            if (session.rank, step) == (int(raise_rank), int(raise_step)):
+                raise ValueError(f"bad batch at step {step}")
             x, y = batch(step, session.rank)
             loss = F.mse_loss(model(x), y)
             loss.backward()

@@ -1,0 +1,124 @@
+"""Faults a real cluster hits every week, on real processes: a crash loop, a script that can't
+start, two ranks lost at once, idle spares that die or hang. Each recovered job ends bitwise
+equal to a fault-free run; each job that can't recover ends, says why, and leaves no process."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from livejob import Processes, run_job
+from test_live_recovery import assert_lossless, assert_survivors_kept
+
+from flashrecovery.engine.replay import replay_job
+from flashrecovery.records import Envelope
+
+pytestmark = pytest.mark.timeout(240)
+MAX_REPLACEMENTS = 3
+
+
+def test_a_crash_loop_fails_the_job_naming_rank_step_and_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    job = run_job(tmp_path, nproc=2, spares=1, script_args=["--raise-at", "1@5"])
+    assert job.exit_code != 0
+    [verdict] = job.decisions("fail_job")
+    assert (verdict.rank, verdict.step, verdict.failures) == (1, 4, MAX_REPLACEMENTS)
+    assert "bad batch at step 5" in verdict.last_error
+    replacements = job.decisions("assign_spare") + job.decisions("spawn_replacement")
+    assert len(replacements) <= MAX_REPLACEMENTS + 1
+    assert job.records(type="job_finished")[-1].status == "failed"
+    line = capsys.readouterr().err
+    assert "rank 1 failed 3 times at committed step 4" in line and "bad batch" in line
+    report = replay_job(job.log, job.job_id)
+    assert report.ok and report.state.job.state == "failed"
+
+
+def test_a_script_that_cannot_start_ends_the_job(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.py"
+    broken.write_text("def main(:\n    pass\n")
+    job = run_job(tmp_path, nproc=2, spares=1, script=broken)
+    assert job.exit_code != 0
+    [verdict] = job.decisions("fail_job")
+    assert verdict.step == -1 and verdict.failures == MAX_REPLACEMENTS
+    started = {r.pid for r in job.records() if r.type == "rank_exited"}
+    # ranks and spare at launch, then a bounded number of replacements and refills
+    assert len(started) <= 2 + 1 + 2 * MAX_REPLACEMENTS + MAX_REPLACEMENTS
+    assert replay_job(job.log, job.job_id).ok
+
+
+def test_two_simultaneous_kills_are_each_taken_by_a_hot_spare(
+    tmp_path: Path, reference: torch.Tensor
+) -> None:
+    job = run_job(tmp_path, spares=2, kill_at={0: 6, 2: 6})
+    assert {(a.rank, a.spare_id) for a in job.records(type="spare_activated")} == {(0, 0), (2, 1)}
+    assert job.decisions("spawn_replacement") == []
+    assert_lossless(job, reference, incidents=2)
+    assert_survivors_kept(job, failed={0, 2})
+
+
+def gated(tmp_path: Path) -> tuple[Path, list[str]]:
+    """Ranks wait before step 6 until the returned file exists: the scenario opens the gate
+    once its faults are in place, so they land while training is still going on."""
+    gate = tmp_path / "gate"
+    return gate, ["--hold-at", "6", "--hold-file", str(gate)]
+
+
+def test_a_dead_idle_spare_is_replaced_and_the_next_failure_uses_a_hot_spare(
+    tmp_path: Path, reference: torch.Tensor
+) -> None:
+    gate, args = gated(tmp_path)
+
+    def kill_spare(record: Envelope, known: Processes) -> bool:
+        if record.type == "step_completed" and 0 in known.spares:
+            os.kill(known.spares[0], signal.SIGKILL)
+            return True
+        return False
+
+    def kill_rank_once_refilled(record: Envelope, known: Processes) -> bool:
+        if record.type == "spare_ready" and record.spare_id == 1:
+            os.kill(known.ranks[1], signal.SIGKILL)
+            gate.touch()
+            return True
+        return False
+
+    job = run_job(
+        tmp_path, spares=1, script_args=args, scenario=[kill_spare, kill_rank_once_refilled]
+    )
+    [retired] = job.decisions("retire_spare")
+    assert retired.spare_id == 0 and retired.refill
+    assert [(a.rank, a.spare_id) for a in job.records(type="spare_activated")] == [(1, 1)]
+    assert job.decisions("spawn_replacement") == []
+    assert_lossless(job, reference, incidents=1)
+    assert_survivors_kept(job, failed={1})
+
+
+def test_a_stopped_idle_spare_is_dropped_and_never_assigned(
+    tmp_path: Path, reference: torch.Tensor
+) -> None:
+    gate, args = gated(tmp_path)
+
+    def stop_spare(record: Envelope, known: Processes) -> bool:
+        if record.type == "step_completed" and 0 in known.spares:
+            os.kill(known.spares[0], signal.SIGSTOP)
+            return True
+        return False
+
+    def kill_rank_once_replaced(record: Envelope, known: Processes) -> bool:
+        if record.type == "spare_ready" and record.spare_id == 1:
+            os.kill(known.ranks[2], signal.SIGKILL)
+            gate.touch()
+            return True
+        return False
+
+    job = run_job(
+        tmp_path, spares=1, script_args=args, scenario=[stop_spare, kill_rank_once_replaced]
+    )
+    [retired] = job.decisions("retire_spare")
+    assert retired.spare_id == 0 and "no heartbeat" in retired.reason
+    assert [(a.rank, a.spare_id) for a in job.records(type="spare_activated")] == [(2, 1)]
+    assert_lossless(job, reference, incidents=1)
+    assert_survivors_kept(job, failed={2})
