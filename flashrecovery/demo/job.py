@@ -32,6 +32,7 @@ class JobSpec:
     steps: int
     seed: int = 0
     min_step_s: float = 0.0
+    agent_args: tuple[str, ...] = ()  # more `flashrecovery run` options
 
     def command(self) -> list[str]:
         return [
@@ -47,6 +48,7 @@ class JobSpec:
             self.log_url,
             "--job-id",
             self.job_id,
+            *self.agent_args,
             str(TRAIN_SCRIPT),
             "--steps",
             str(self.steps),

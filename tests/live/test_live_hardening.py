@@ -54,7 +54,9 @@ def test_two_simultaneous_kills_are_each_taken_by_a_hot_spare(
     tmp_path: Path, reference: torch.Tensor
 ) -> None:
     job = run_job(tmp_path, spares=2, kill_at={0: 6, 2: 6})
-    assert {(a.rank, a.spare_id) for a in job.records(type="spare_activated")} == {(0, 0), (2, 1)}
+    activated = job.records(type="spare_activated")  # in the order the exits were seen
+    assert sorted(a.rank for a in activated) == [0, 2]
+    assert sorted(a.spare_id for a in activated) == [0, 1]
     assert job.decisions("spawn_replacement") == []
     assert_lossless(job, reference, incidents=2)
     assert_survivors_kept(job, failed={0, 2})
