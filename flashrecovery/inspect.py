@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
     # Piped into a file or a pager, a wide table beats one folded to 80 columns.
     console = Console() if sys.stdout.isatty() else Console(width=220)
     try:
-        with open_log(args.log, must_exist=True) as log:
+        with open_log(args.log, read_only=True) as log:
             if args.job and args.job not in log.jobs():
                 raise LogError(f"job {args.job!r} has no records in {args.log}")
             for batch in _batches(log, args):
