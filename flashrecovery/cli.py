@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from types import ModuleType
 
@@ -53,7 +54,16 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_logging()
     args = build_parser(argv).parse_args(argv)
-    code: int = args._module.run(args)
+    try:
+        code: int = args._module.run(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader stopped reading (`| head`): not a failure of the command. What is still
+        # buffered goes to /dev/null, so the interpreter's last flush does not raise again (the
+        # recipe of the Python documentation's note on SIGPIPE).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
     return code
 
 

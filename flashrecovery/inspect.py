@@ -15,7 +15,9 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
+from flashrecovery import terminal
 from flashrecovery.connectors import open_log
 from flashrecovery.connectors.base import Entry, LogConnector
 from flashrecovery.connectors.follow import StreamCursor
@@ -109,7 +111,7 @@ def print_rows(
         )
         rank = getattr(record, "rank", None)
         style = "bold" if stream == Stream.DECISIONS else None
-        table.add_row(
+        cells = (
             when,
             job_id,
             stream.value,
@@ -119,8 +121,8 @@ def print_rows(
             record.type if record else "invalid",
             "" if rank is None else str(rank),
             summary(entry),
-            style=style,
         )
+        table.add_row(*map(Text, cells), style=style)  # record text, never markup
     console.print(table)
 
 
@@ -144,10 +146,9 @@ def _batches(
 
 
 def run(args: argparse.Namespace) -> int:
-    # Piped into a file or a pager, a wide table beats one folded to 80 columns.
-    console = Console() if sys.stdout.isatty() else Console(width=220)
+    console = terminal.console()
     try:
-        with open_log(args.log, must_exist=True) as log:
+        with open_log(args.log, read_only=True) as log:
             if args.job and args.job not in log.jobs():
                 raise LogError(f"job {args.job!r} has no records in {args.log}")
             for batch in _batches(log, args):

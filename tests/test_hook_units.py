@@ -4,31 +4,35 @@ process (two threads play two ranks)."""
 from __future__ import annotations
 
 import datetime
+import os
 import random
 import threading
 from typing import Any
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
 
+from flashrecovery.agent.store import JobStore
 from flashrecovery.trainer_hooks import barrier, groups, rng, transfer, vote
 
 pytestmark = pytest.mark.timeout(60)
+TIMEOUT = datetime.timedelta(seconds=10)
 
 
 @pytest.fixture
-def store() -> dist.TCPStore:
-    return dist.TCPStore(
-        "127.0.0.1",
-        0,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=10),
-    )
+def job_store() -> JobStore:
+    return JobStore.open(TIMEOUT)
 
 
-def test_vote_commits_only_when_every_member_voted(store: dist.TCPStore) -> None:
+@pytest.fixture
+def store(job_store: JobStore) -> dist.Store:
+    """The job's keys, as the agent and the ranks see them."""
+    return job_store.keys
+
+
+def test_vote_commits_only_when_every_member_voted(store: dist.Store) -> None:
     key = vote.vote_key(0, 5)
     assert vote.cast(store, key, 1, 3) is None
     assert vote.cast(store, key, 0, 3) is None
@@ -37,7 +41,7 @@ def test_vote_commits_only_when_every_member_voted(store: dist.TCPStore) -> None
     assert vote.wait(store, key, datetime.timedelta(seconds=1)) is vote.Verdict.COMMITTED
 
 
-def test_a_closed_vote_aborts_for_everyone(store: dist.TCPStore) -> None:
+def test_a_closed_vote_aborts_for_everyone(store: dist.Store) -> None:
     key = vote.vote_key(1, 5)
     assert vote.cast(store, key, 0, 3) is None
     assert vote.close(store, key, 3) is vote.Verdict.ABORTED
@@ -46,7 +50,7 @@ def test_a_closed_vote_aborts_for_everyone(store: dist.TCPStore) -> None:
     assert vote.close(store, vote.vote_key(1, 6), 3) is vote.Verdict.ABORTED  # nobody voted yet
 
 
-def test_a_superseded_generation_releases_its_barrier(store: dist.TCPStore) -> None:
+def test_a_superseded_generation_releases_its_barrier(store: dist.Store) -> None:
     timeout = datetime.timedelta(seconds=5)
     barrier.supersede(store, barrier.name(3, "members"))
     assert barrier.wait(store, barrier.name(3, "members"), 2, timeout) is False
@@ -55,11 +59,12 @@ def test_a_superseded_generation_releases_its_barrier(store: dist.TCPStore) -> N
     assert barrier.wait(store, barrier.name(4, "members"), 1, timeout) is True
 
 
-def _two_ranks(store: dist.TCPStore, work: Any) -> list[Any]:
+def _two_ranks(job_store: JobStore, work: Any) -> list[Any]:
     results: list[Any] = [None, None]
 
     def rank(r: int) -> None:
-        client = groups.connect_store("127.0.0.1", store.port)  # one blocking waiter per client
+        # One blocking waiter per client.
+        client = groups.connect_store("127.0.0.1", job_store.port, job_store.prefix)
         group = groups.build(client, 0, r, 2)
         results[r] = work(r, group)
         groups.drop(group)
@@ -72,7 +77,7 @@ def _two_ranks(store: dist.TCPStore, work: Any) -> list[Any]:
     return results
 
 
-def test_transfer_moves_tensors_and_structure_exactly(store: dist.TCPStore) -> None:
+def test_transfer_moves_tensors_and_structure_exactly(job_store: JobStore) -> None:
     random.seed(7)
     state = {
         "model": {"w": torch.randn(4, 3), "steps": torch.tensor(9), "mask": torch.ones(2) > 0},
@@ -89,7 +94,7 @@ def test_transfer_moves_tensors_and_structure_exactly(store: dist.TCPStore) -> N
             return transfer.send(group, 1, state)
         return transfer.recv(group, 0)
 
-    sent, (received, size) = _two_ranks(store, work)
+    sent, (received, size) = _two_ranks(job_store, work)
     assert sent == size > 0
     assert received["committed_step"] == 41
     assert received["optimizer"]["param_groups"] == state["optimizer"]["param_groups"]
@@ -102,3 +107,34 @@ def test_transfer_moves_tensors_and_structure_exactly(store: dist.TCPStore) -> N
     ]:
         assert got.dtype == want.dtype and torch.equal(got, want)
     assert received["rng"]["python"] == state["rng"]["python"]
+
+
+def listening(pid: int) -> set[tuple[str, int]]:
+    return {
+        (c.laddr.ip, c.laddr.port)
+        for c in psutil.Process(pid).net_connections("inet")
+        if c.status == psutil.CONN_LISTEN
+    }
+
+
+def test_the_job_store_and_gloo_listen_on_loopback_only(
+    job_store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = listening(os.getpid())
+    assert ("127.0.0.1", job_store.port) in before  # torch alone would bind every address
+    for name, value in job_store.environment().items():
+        monkeypatch.setenv(name, value)
+    opened = _two_ranks(job_store, lambda r, group: listening(os.getpid()))
+    gloo = set().union(*opened) - before
+    assert gloo and {ip for ip, _ in gloo} <= {"127.0.0.1", "::1"}
+
+
+def test_a_client_without_the_job_secret_cannot_vote(job_store: JobStore) -> None:
+    """It reaches the port, writes a full vote and its verdict under the public key names:
+    the job's vote does not see them."""
+    intruder = dist.TCPStore("127.0.0.1", job_store.port, is_master=False, timeout=TIMEOUT)
+    key = vote.vote_key(0, 5)
+    intruder.set(key, "0,1,2")
+    intruder.set(f"{key}/verdict", vote.Verdict.COMMITTED.value)
+    assert vote.cast(job_store.keys, key, 0, 3) is None  # still waiting for ranks 1 and 2
+    assert vote.close(job_store.keys, key, 3) is vote.Verdict.ABORTED

@@ -15,6 +15,7 @@ import pytest
 from kafka.admin import KafkaAdminClient
 from kafka_fixture import INDEPENDENT_CLIENTS, fresh_prefix, kafka_url, read_topic
 
+from flashrecovery.cli import main
 from flashrecovery.connectors import open_log
 from flashrecovery.connectors.kafka import KafkaSettings, redact
 from flashrecovery.connectors.kafka_broker import KafkaBroker, free_port
@@ -122,6 +123,50 @@ def test_an_unreachable_broker_is_a_clear_error_within_the_bound() -> None:
     with pytest.raises(LogError, match=f"127.0.0.1:{port}"):
         open_log(f"kafka://127.0.0.1:{port}?timeout_s=2")
     assert time.monotonic() - started < 2 + 3
+
+
+def topics(bootstrap: str) -> set[str]:
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    try:
+        return set(admin.list_topics())
+    finally:
+        admin.close()
+
+
+def test_reading_commands_never_create_topics(
+    kafka_bootstrap: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """events and replay read a job's log and create nothing, not even for a topic prefix
+    that names no log (a typo): that is an error saying so."""
+    prefix = fresh_prefix()
+    url = kafka_url(kafka_bootstrap, topic_prefix=prefix)
+    with open_log(url) as log:
+        log.append(Stream.EVENTS, heartbeat("job", 0))
+    before = topics(kafka_bootstrap)
+    assert {f"{prefix}events", f"{prefix}decisions"} <= before
+    typo = kafka_url(kafka_bootstrap, topic_prefix=fresh_prefix())
+    for argv, code, said in (
+        (["events", "--log", url], 0, "heartbeat"),
+        (["events", "--log", url, "--json"], 0, '"type": "heartbeat"'),
+        (["replay", "--log", url, "--job", "job"], 0, "replay OK"),
+        (["replay", "--log", url, "--job", "no-such-job"], 2, "no records"),
+        (["events", "--log", typo], 2, "no log at"),
+        (["replay", "--log", typo, "--job", "job"], 2, "no log at"),
+    ):
+        assert main(argv) == code, argv
+        out, err = capsys.readouterr()
+        assert said in out + err, argv
+    assert topics(kafka_bootstrap) == before
+
+
+@pytest.mark.parametrize("command", [["events"], ["replay", "--job", "job"]])
+def test_reading_an_unreachable_broker_says_it_is_unreachable(
+    command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"kafka://127.0.0.1:{free_port()}?timeout_s=2"  # nothing listens there
+    assert main([*command, "--log", url]) == 2
+    err = capsys.readouterr().err
+    assert "is unreachable" in err and "topic" not in err
 
 
 def test_client_settings_reach_kafka_python_untouched() -> None:

@@ -14,11 +14,11 @@ from pathlib import Path
 from types import FrameType
 
 import structlog
-import torch.distributed as dist
 
 import flashrecovery
 from flashrecovery.agent.actions import SPAWNS_PER_S, Actions, SpawnBudget
 from flashrecovery.agent.config import AgentConfig
+from flashrecovery.agent.store import JobStore
 from flashrecovery.agent.supervisor import Child, Supervisor
 from flashrecovery.connectors import open_log
 from flashrecovery.connectors.follow import StreamCursor
@@ -62,9 +62,7 @@ class Agent:
 
     def run(self) -> int:
         config = self.config
-        store = dist.TCPStore(
-            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT
-        )
+        store = JobStore.open(STORE_TIMEOUT)
         self._report(
             JobStarted(
                 job_id=self.job_id,
@@ -81,13 +79,13 @@ class Agent:
         engine = None if config.external_engine else EngineLoop(self.log_url, self.job_id).start()
         supervisor = Supervisor(
             [sys.executable, str(config.script), *config.script_args],
-            self._child_env(store.port),
+            self._child_env(store),
             self._on_exit,
             config.output_dir,
         )
         actions = Actions(
             supervisor,
-            store,
+            store.keys,
             self._report,
             self.job_id,
             config.spares,
@@ -166,7 +164,7 @@ class Agent:
             elif time.monotonic() - down_since > STUCK_AFTER_S:
                 return Outcome("failed", 1, f"a rank stayed down for {STUCK_AFTER_S:.0f}s")
 
-    def _child_env(self, port: int) -> dict[str, str]:
+    def _child_env(self, store: JobStore) -> dict[str, str]:
         inherited = {
             k: v
             for k, v in os.environ.items()
@@ -177,9 +175,8 @@ class Agent:
         python_path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
         return {
             **inherited,
+            **store.environment(),
             "PYTHONPATH": python_path,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
             "WORLD_SIZE": str(self.config.nproc),
             "OMP_NUM_THREADS": "1",
             "FLASHRECOVERY_JOB_ID": self.job_id,

@@ -15,10 +15,11 @@ __all__ = ["Entry", "LogConnector", "open_log"]
 SCHEMES = ("memory", "sqlite", "kafka")
 
 
-def open_log(url: str, *, must_exist: bool = False) -> LogConnector:
+def open_log(url: str, *, read_only: bool = False) -> LogConnector:
     """Open the log a URL names; an unknown or malformed URL is a LogError that says why.
-    ``must_exist``: for tools that only read, a missing embedded log is an error (a mistyped
-    path must not leave an empty database behind)."""
+    ``read_only``: for tools that only read (events, replay), which must create nothing: a
+    missing log is an error (a mistyped path leaves no empty database, a mistyped topic prefix
+    no topics behind)."""
     if not isinstance(url, str) or "://" not in url:
         raise LogError(
             f"log URL {url!r} is malformed: expected scheme://…, one of "
@@ -32,11 +33,11 @@ def open_log(url: str, *, must_exist: bool = False) -> LogConnector:
     if scheme == "sqlite":
         from flashrecovery.connectors.embedded import EmbeddedLog
 
-        return EmbeddedLog.from_url(url, must_exist=must_exist)
+        return EmbeddedLog.from_url(url, must_exist=read_only)
     if scheme == "kafka":
         from flashrecovery.connectors.kafka import KafkaLog
 
-        return KafkaLog.from_url(url)
+        return KafkaLog.from_url(url, read_only=read_only)
     raise LogError(
         f"log URL {url!r} has unknown scheme {scheme!r}: use one of "
         + ", ".join(f"{s}://" for s in SCHEMES)

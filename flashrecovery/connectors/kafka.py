@@ -31,10 +31,9 @@ from flashrecovery.records import Envelope, Stream, dump_record
 
 ENV_PREFIX = "FLASHRECOVERY_KAFKA_"
 _NOT_CLIENT_ENV = {"CACHE"}  # FLASHRECOVERY_KAFKA_CACHE belongs to the broker runner
+_CLIENTS = {"producer": KafkaProducer, "consumer": KafkaConsumer, "admin": KafkaAdminClient}
 _CLIENT_DEFAULTS: dict[str, Mapping[str, Any]] = {
-    "producer": KafkaProducer.DEFAULT_CONFIG,
-    "consumer": KafkaConsumer.DEFAULT_CONFIG,
-    "admin": KafkaAdminClient.DEFAULT_CONFIG,
+    name: client.DEFAULT_CONFIG for name, client in _CLIENTS.items()
 }
 _OWN = {"topic_prefix", "partitions", "replication_factor", "timeout_s"}
 _SECRET = re.compile(r"((?:password|token|secret)[^=&]*=)[^&]*", re.IGNORECASE)
@@ -132,8 +131,26 @@ class KafkaSettings:
                 "delivery_timeout_ms": bound_ms,
             }
         elif client == "consumer":
-            ours |= {"group_id": None, "enable_auto_commit": False, "auto_offset_reset": "earliest"}
+            ours |= {
+                "group_id": None,
+                "enable_auto_commit": False,
+                "auto_offset_reset": "earliest",
+                "allow_auto_create_topics": False,  # reading never creates (ensure_topics does)
+            }
         return ours | self.clients[client]
+
+    def connect(self, client: str) -> Any:
+        """A connected kafka-python client; a LogError when no broker answers (unreachable)
+        or the broker refuses it."""
+        try:
+            return _CLIENTS[client](**self.config(client))
+        except KafkaError as exc:
+            if exc.retriable:  # nothing answered within the bound (a timeout, no broker)
+                raise LogError(
+                    f"Kafka at {self.bootstrap} is unreachable: no broker answered within "
+                    f"{self.timeout_s} s ({exc})"
+                ) from None
+            raise LogError(f"Kafka at {self.bootstrap}: connecting failed: {exc!r}") from None
 
     def topic(self, stream: Stream) -> str:
         return f"{self.topic_prefix}{Stream(stream).value}"
@@ -150,8 +167,8 @@ def _failing_as_log_error(what: str, bootstrap: str) -> Iterator[None]:
 def ensure_topics(settings: KafkaSettings) -> list[str]:
     """Create the missing stream topics; return the ones this call created."""
     topics = [settings.topic(s) for s in Stream]
+    admin = settings.connect("admin")
     with _failing_as_log_error("creating topics", settings.bootstrap):
-        admin = KafkaAdminClient(**settings.config("admin"))
         try:
             missing = sorted(set(topics) - set(admin.list_topics()))
             if missing:
@@ -173,9 +190,11 @@ def ensure_topics(settings: KafkaSettings) -> list[str]:
 
 
 class KafkaLog(LogConnector):
-    """Append with an idempotent acks=all producer; read by assigning the job's partition."""
+    """Append with an idempotent acks=all producer; read by assigning the job's partition.
+    ``read_only`` (events, replay): no producer, and topics that are missing are an error
+    rather than created."""
 
-    def __init__(self, url: str, settings: KafkaSettings) -> None:
+    def __init__(self, url: str, settings: KafkaSettings, *, read_only: bool = False) -> None:
         self.url = url
         self.settings = settings
         # KafkaConsumer is not thread-safe, and threads that follow different streams (engine,
@@ -184,25 +203,42 @@ class KafkaLog(LogConnector):
         self._consumers: list[KafkaConsumer] = []
         self._consumers_lock = threading.Lock()
         self._partitions: dict[str, list[int]] = {}
-        ensure_topics(settings)
-        with self._failing("connecting"):
-            self._producer = KafkaProducer(**settings.config("producer"))
-            _ = self._consumer  # connect now, so that a bad setting fails here
-        self._delivery_s = self._producer.config["delivery_timeout_ms"] / 1000
+        self._producer: KafkaProducer | None = None
+        if not read_only:
+            ensure_topics(settings)
+        try:
+            if not read_only:
+                self._producer = settings.connect("producer")
+            consumer = self._consumer  # connect now, so that a bad setting fails here
+            if read_only:
+                with self._failing("listing topics"):
+                    self._require_topics(consumer.topics())
+        except BaseException:
+            self.close()
+            raise
+
+    def _require_topics(self, existing: set[str]) -> None:
+        """A reader's log must exist: its missing topics are an error, never created."""
+        missing = sorted({self.settings.topic(s) for s in Stream} - existing)
+        if missing:
+            raise LogError(
+                f"no log at {redact(self.url)}: Kafka at {self.settings.bootstrap} has no "
+                f"topic {', '.join(missing)} (nothing was written there; check topic_prefix)"
+            )
 
     @property
     def _consumer(self) -> KafkaConsumer:
         consumer: KafkaConsumer | None = getattr(self._local, "consumer", None)
         if consumer is None:
-            consumer = KafkaConsumer(**self.settings.config("consumer"))
+            consumer = self.settings.connect("consumer")
             self._local.consumer = consumer
             with self._consumers_lock:
                 self._consumers.append(consumer)
         return consumer
 
     @classmethod
-    def from_url(cls, url: str) -> KafkaLog:
-        return cls(url, KafkaSettings.parse(url))
+    def from_url(cls, url: str, *, read_only: bool = False) -> KafkaLog:
+        return cls(url, KafkaSettings.parse(url), read_only=read_only)
 
     def _failing(self, what: str) -> contextlib.AbstractContextManager[None]:
         return _failing_as_log_error(what, self.settings.bootstrap)
@@ -210,7 +246,12 @@ class KafkaLog(LogConnector):
     def _partition(self, topic: str, key: bytes) -> int:
         """The key's partition as Kafka's default partitioner picks it (so reads find it)."""
         if topic not in self._partitions:
-            self._partitions[topic] = sorted(self._producer.partitions_for(topic))
+            found = (
+                self._consumer.partitions_for_topic(topic)
+                if self._producer is None
+                else self._producer.partitions_for(topic)
+            )
+            self._partitions[topic] = sorted(found)
         partitions = self._partitions[topic]
         return partitions[(murmur2(key) & 0x7FFFFFFF) % len(partitions)]
 
@@ -219,13 +260,15 @@ class KafkaLog(LogConnector):
 
     def append_raw(self, stream: Stream, job_id: str, raw: bytes) -> int:
         topic, key = self.settings.topic(stream), job_id.encode()
+        if self._producer is None:
+            raise LogError(f"log {redact(self.url)} was opened read-only")
         with self._failing(f"appending to {topic}"):
             future = self._producer.send(
                 topic, value=bytes(raw), key=key, partition=self._partition(topic, key)
             )
             # The producer settles every send within its delivery timeout: wait that long so
             # the answer is final (a give-up earlier could be stored later and then retried).
-            metadata = future.get(timeout=self._delivery_s + 5)
+            metadata = future.get(timeout=self._producer.config["delivery_timeout_ms"] / 1000 + 5)
         offset: int = metadata.offset
         return offset
 
@@ -297,7 +340,8 @@ class KafkaLog(LogConnector):
         return sorted(k.decode(errors="replace") for k in keys)
 
     def close(self) -> None:
-        self._producer.close(timeout=self.settings.timeout_s)
+        if self._producer is not None:
+            self._producer.close(timeout=self.settings.timeout_s)
         with self._consumers_lock:
             for consumer in self._consumers:
                 consumer.close()

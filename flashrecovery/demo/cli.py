@@ -22,6 +22,7 @@ from rich.console import Console, RenderableType
 from rich.live import Live
 from rich.progress_bar import ProgressBar
 from rich.table import Table
+from rich.text import Text
 
 from flashrecovery.connectors import open_log
 from flashrecovery.demo.job import JobSpec, LaunchedJob
@@ -92,7 +93,7 @@ def render(spec: JobSpec, watch: JobWatch, killer: Killer, title: str) -> Render
     grid.add_row("hot spares ready", str(watch.ready_spares))
     for kill in killer.plan:
         grid.add_row("kill", kill.describe())
-    grid.add_row("last record", watch.last_record)
+    grid.add_row("last record", Text(watch.last_record))  # record text, never markup
     return grid
 
 
@@ -185,7 +186,7 @@ def _ms(seconds: float | None) -> str:
 def incident_table(row: dict[str, Any]) -> Table:
     """One incident, one line per phase: narrow enough for any terminal."""
     table = Table(
-        title=f"{row['incident_id']}: rank {row['failed_rank']}, {row['reason']}",
+        title=Text(f"{row['incident_id']}: rank {row['failed_rank']}, {row['reason']}"),
         title_justify="left",
         show_header=False,
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,12 +147,12 @@ def run(args: argparse.Namespace) -> int:
     from flashrecovery.engine.report import print_replay
 
     try:
-        with open_log(args.log, must_exist=True) as log:
+        with open_log(args.log, read_only=True) as log:
             if args.job not in log.jobs():
                 raise LogError(f"job {args.job!r} has no records in {args.log}")
             report = replay_job(log, args.job, args.until)
     except LogError as exc:
-        print(f"error: {exc}")
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(report.to_json(), indent=2))

@@ -5,17 +5,20 @@ from __future__ import annotations
 import json
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
+from flashrecovery import terminal
 from flashrecovery.engine.replay import ReplayReport
 
 
 def print_replay(report: ReplayReport, console: Console | None = None) -> None:
-    console = console or Console()
+    """Record text (job ids, reasons) is printed as it is, never read as markup."""
+    console = console or terminal.console()
     data = report.to_json()
     verdict = "[green]replay OK[/]" if report.ok else "[red]DIVERGENCE[/]"
     console.print(
-        f"{verdict}  job {report.job_id}: {report.events} events, "
+        f"{verdict}  job {escape(report.job_id)}: {report.events} events, "
         f"{report.decisions_checked} decisions reproduced, generation {report.state.generation}, "
         f"job {report.state.job.state}"
     )
@@ -42,7 +45,8 @@ def print_replay(report: ReplayReport, console: Console | None = None) -> None:
         return
     for inc in data["incidents"]:
         console.print(
-            f"[bold]{inc['incident_id']}[/]: rank {inc['failed_rank']}, {inc['reason']} "
+            f"[bold]{escape(inc['incident_id'])}[/]: rank {inc['failed_rank']}, "
+            f"{escape(inc['reason'])} "
             f"-> {inc['state']} (generation {inc['generation']}, resumed after step "
             f"{inc['resume_step']})",
             highlight=False,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from flashrecovery.errors import LaunchError
 from flashrecovery.trainer_hooks.faults import Fault
@@ -16,6 +16,7 @@ class LaunchEnv:
     log_url: str
     master_addr: str
     master_port: int
+    store_prefix: str = field(repr=False)  # the job's secret (agent/store.py): never shown
     world_size: int
     heartbeat_interval_s: float
     role: str  # "rank" or "spare"
@@ -47,6 +48,7 @@ class LaunchEnv:
                 log_url=need("FLASHRECOVERY_LOG"),
                 master_addr=need("MASTER_ADDR"),
                 master_port=int(need("MASTER_PORT")),
+                store_prefix=need("FLASHRECOVERY_STORE_PREFIX"),
                 world_size=int(need("WORLD_SIZE")),
                 heartbeat_interval_s=float(need("FLASHRECOVERY_HEARTBEAT_INTERVAL")),
                 role=role,

@@ -66,8 +66,10 @@ class Session:
     def __init__(self, env: LaunchEnv) -> None:
         self._env = env
         self._log = open_log(env.log_url)
-        self._store = groups.connect_store(env.master_addr, env.master_port)
-        self._closer_store = groups.connect_store(env.master_addr, env.master_port)
+        self._store = groups.connect_store(env.master_addr, env.master_port, env.store_prefix)
+        self._closer_store = groups.connect_store(
+            env.master_addr, env.master_port, env.store_prefix
+        )
         self._host = socket.gethostname()
         self._pid = os.getpid()
         self._rank = env.rank

@@ -1,0 +1,74 @@
+"""What a single-node job opens to the network: the store and gloo, on loopback only, and every
+store key under a secret of the job.
+
+torch's store server binds every interface whatever host it is given; it takes a listening
+socket instead, so the agent binds one to loopback itself. Gloo listens on the interface
+GLOO_SOCKET_IFNAME names (by default, the one the hostname resolves to): the ranks are told the
+loopback interface. Every store key lives under a random prefix that only the job's processes
+know (FLASHRECOVERY_STORE_PREFIX in their environment, never logged, never in a record or an
+argv; trainer_hooks/groups.py ``job_keys``): a client that reaches the port without it cannot
+cast a vote, pass a barrier or hand a spare a rank, since it writes keys nobody reads.
+"""
+
+from __future__ import annotations
+
+import datetime
+import secrets
+import socket
+from dataclasses import dataclass, field
+
+import psutil
+import torch.distributed as dist
+
+from flashrecovery.trainer_hooks.groups import job_keys
+
+LOOPBACK = "127.0.0.1"
+BACKLOG = 128  # pending connections: every rank and spare connects two clients at start
+
+
+@dataclass(frozen=True)
+class JobStore:
+    """The agent's side of the store: ``keys`` is the secret-prefixed view every key goes
+    through (it keeps the listening server alive)."""
+
+    port: int
+    prefix: str = field(repr=False)
+    keys: dist.Store = field(repr=False)
+
+    @classmethod
+    def open(cls, timeout: datetime.timedelta) -> JobStore:
+        listener = socket.create_server((LOOPBACK, 0), backlog=BACKLOG)
+        port = listener.getsockname()[1]
+        try:
+            server = dist.TCPStore(
+                LOOPBACK,
+                port,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=timeout,
+                master_listen_fd=listener.fileno(),
+                use_libuv=True,
+            )
+        except BaseException:
+            listener.close()
+            raise
+        listener.detach()  # the store owns (and closes) the descriptor now
+        prefix = secrets.token_hex(16)
+        return cls(port, prefix, job_keys(prefix, server))
+
+    def environment(self) -> dict[str, str]:
+        """How a rank reaches the store and its peers."""
+        return {
+            "MASTER_ADDR": LOOPBACK,
+            "MASTER_PORT": str(self.port),
+            "FLASHRECOVERY_STORE_PREFIX": self.prefix,
+            "GLOO_SOCKET_IFNAME": loopback_interface(),
+        }
+
+
+def loopback_interface() -> str:
+    """The name of the interface that holds the loopback address ("lo" on Linux)."""
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == LOOPBACK for a in addresses):
+            return name
+    raise RuntimeError(f"no network interface holds {LOOPBACK}")
