@@ -111,7 +111,10 @@ def _job_started(ctx: Context, record: JobStarted) -> None:
         raise Rejected("the job has already started")
     state.config = record
     state.ranks = {
-        r: RankView(RankMachine(f"rank:{r}"), grace_until_ts=record.ts + record.startup_grace_s)
+        r: RankView(
+            RankMachine(f"rank:{r}", census=state.rank_census),
+            grace_until_ts=record.ts + record.startup_grace_s,
+        )
         for r in range(record.world_size)
     }
     for rank in state.ranks:
@@ -126,10 +129,11 @@ def _rank_joined(ctx: Context, record: RankJoined) -> None:
     view = state.ranks[record.rank]
     ctx.require(view.machine, Trigger.JOIN, f"rank {record.rank}")
     ctx.fire(view.machine, Trigger.READY)
-    view.pid, view.host, view.shard = record.pid, record.host, record.shard
+    state.set_pid(record.rank, record.pid)
+    view.host, view.shard = record.host, record.shard
     view.last_heartbeat_ts, view.grace_until_ts = record.ts, None
-    if state.job.state == JobState.STARTING and all(
-        v.machine.state == RankState.HEALTHY for v in state.ranks.values()
+    if state.job.state == JobState.STARTING and (
+        state.rank_census[RankState.HEALTHY] == state.world_size
     ):
         ctx.fire(state.job, Trigger.RUN)
 
@@ -162,7 +166,7 @@ def _heartbeat(ctx: Context, record: Heartbeat) -> None:
     state = ctx.state
     view = state.ranks[record.rank]
     if view.machine.state == RankState.PENDING and view.pid is None:
-        view.pid = record.pid  # alive before it could join: its process is known from now on
+        state.set_pid(record.rank, record.pid)  # alive before it could join: known from now on
     if view.pid != record.pid:
         state.fenced += 1  # an old process of this rank id
         return
@@ -203,7 +207,7 @@ def _step_completed(ctx: Context, record: StepCompleted) -> None:
 
 def _rank_exited(ctx: Context, record: RankExited) -> None:
     state = ctx.state
-    holder = next((r for r, v in state.ranks.items() if v.pid == record.pid), None)
+    holder = state.holders.get(record.pid)
     if holder is None and record.rank is not None:
         never_joined = state.ranks[record.rank].machine.state == RankState.PENDING
         holder = record.rank if never_joined else None  # died before saying who it was
@@ -284,7 +288,8 @@ def _rank_regrouped(ctx: Context, record: RankRegrouped) -> None:
         recovery.replacement_ready(ctx, record.rank, record.pid, warm=True)  # before the agent
     if view.machine.state == RankState.PENDING:  # generation 0 never formed: it joins in this one
         ctx.fire(view.machine, Trigger.JOIN)
-        view.pid, view.host = record.pid, ""
+        state.set_pid(record.rank, record.pid)
+        view.host = ""
     if view.pid != record.pid:
         state.fenced += 1
         return
@@ -299,9 +304,11 @@ def _rank_regrouped(ctx: Context, record: RankRegrouped) -> None:
             f"rank {record.rank} says it holds step {record.committed_step}, but no member "
             f"committed past {state.max_committed()}"
         )
+    if view.regrouped_step is None:
+        state.awaiting_regroup -= 1
     view.regrouped_step = record.committed_step
     view.shard = record.shard
-    if state.resume_planned or any(v.regrouped_step is None for v in state.ranks.values()):
+    if state.resume_planned or state.awaiting_regroup > 0:
         return
     recovery.plan_resume(ctx)
 
@@ -319,6 +326,7 @@ def _state_transferred(ctx: Context, record: StateTransferred) -> None:
 
 def _rank_finished(ctx: Context, record: RankFinished) -> None:
     ctx.require(ctx.state.ranks[record.rank].machine, Trigger.FINISH, f"rank {record.rank}")
+    ctx.state.committed.set(record.rank, None)  # trains no more: no step waits for it
     recovery.maybe_close_incidents(ctx)  # a rank replaced after the last step resumes by finishing
 
 

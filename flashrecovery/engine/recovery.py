@@ -42,7 +42,7 @@ def fail(ctx: Context, rank: int, failure_ts: float, reason: str) -> None:
         return  # already being replaced, or finished: nothing new to decide
     if state.job.state in (JobState.COMPLETED, JobState.FAILED, JobState.FALLBACK):
         raise Rejected(f"the job is {state.job.state}")
-    if any(v.machine.state == RankState.FINISHED for v in state.ranks.values()):
+    if state.rank_census[RankState.FINISHED]:
         return  # every step is committed everywhere: the job is ending, nothing to recover
     number = len(state.incidents) + 1
     incident = Incident(
@@ -70,6 +70,7 @@ def fail(ctx: Context, rank: int, failure_ts: float, reason: str) -> None:
     state.needs_state.add(rank)
     state.resume_planned = False
     state.resume_step = None
+    state.awaiting_regroup = len(state.ranks)
     for r, member in state.ranks.items():
         member.regrouped_step = None
         state.set_waiting(r, False)
@@ -129,15 +130,15 @@ def replacement_died(ctx: Context, rank: int, error: str) -> None:
 def choose_replacement(ctx: Context, rank: int, incident_id: str) -> None:
     """A ready spare if there is one, else a fresh process; the rank's pid becomes the spare's
     at once, so that its death before it takes over is recognised."""
-    state, view = ctx.state, ctx.state.ranks[rank]
+    state = ctx.state
     spare_id = planner.choose_spare(state)
     if spare_id is not None:
         ctx.emit(AssignSpare, rank=rank, spare_id=spare_id, incident_id=incident_id)
         state.spares[spare_id].status = SpareStatus.ASSIGNED
-        view.pid = state.spares[spare_id].pid
+        state.set_pid(rank, state.spares[spare_id].pid)
     else:
         ctx.emit(SpawnReplacement, rank=rank, incident_id=incident_id)
-        view.pid = None
+        state.set_pid(rank, None)
 
 
 def replacement_ready(ctx: Context, rank: int, pid: int, *, warm: bool) -> None:
@@ -148,7 +149,7 @@ def replacement_ready(ctx: Context, rank: int, pid: int, *, warm: bool) -> None:
         if view.pid == pid:
             return  # the replacement's own regroup record came first
         raise Rejected(f"rank {rank} is {view.machine.state}, not waiting for a replacement")
-    view.pid = pid
+    state.set_pid(rank, pid)
     view.last_heartbeat_ts = ctx.record.ts
     config = state.config
     view.grace_until_ts = None if warm or config is None else ctx.record.ts + config.startup_grace_s
@@ -206,7 +207,7 @@ def current_resume_step(state: EngineState) -> int:
 
 def maybe_restored(ctx: Context) -> None:
     state = ctx.state
-    if any(v.machine.state == RankState.RESTORING for v in state.ranks.values()):
+    if state.rank_census[RankState.RESTORING]:
         return
     for incident in state.open_incidents():
         if incident.machine.can(Trigger.END_RESTORE):
@@ -220,11 +221,8 @@ def maybe_close_incidents(ctx: Context) -> None:
     if state.job.state != JobState.RESUMING or state.resume_step is None:
         return
     resume_step = state.resume_step
-    if any(
-        v.committed_step <= resume_step and v.machine.state != RankState.FINISHED
-        for v in state.ranks.values()
-    ):
-        return
+    if state.committed.counts and state.committed.floor() <= resume_step:
+        return  # some rank still training has not committed past the resume step
     for incident in state.open_incidents():
         ctx.fire(incident.machine, Trigger.RESUME)
         ctx.fire(incident.machine, Trigger.CLOSE)

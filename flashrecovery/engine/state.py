@@ -112,6 +112,9 @@ class EngineState:
     failures: Counter[tuple[int, int]] = field(default_factory=Counter)  # (rank, step) -> count
     spares_lost_unready: int = 0  # spares that died before they were ready (a broken script)
     committed: StepIndex = field(default_factory=StepIndex)  # over the ranks that hold state
+    rank_census: Counter[str] = field(default_factory=Counter)  # rank state -> ranks in it
+    awaiting_regroup: int = 0  # members of the current generation yet to report regrouped
+    holders: dict[int, int] = field(default_factory=dict)  # pid -> the rank it holds now
     waiting: int = 0  # ranks whose last heartbeat said they wait inside commit()
 
     @property
@@ -138,6 +141,15 @@ class EngineState:
         """A rank's committed step; None: it holds no state now (failed, awaiting restore)."""
         self.ranks[rank].committed_step = -1 if step is None else step
         self.committed.set(rank, step)
+
+    def set_pid(self, rank: int, pid: int | None) -> None:
+        """The process that holds ``rank`` from now on (None: none yet, one is being started)."""
+        view = self.ranks[rank]
+        if view.pid is not None and self.holders.get(view.pid) == rank:
+            del self.holders[view.pid]
+        view.pid = pid
+        if pid is not None:
+            self.holders[pid] = rank
 
     def set_waiting(self, rank: int, waiting: bool) -> None:
         view = self.ranks[rank]
