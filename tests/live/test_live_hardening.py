@@ -69,18 +69,25 @@ def gated(tmp_path: Path) -> tuple[Path, list[str]]:
     return gate, ["--hold-at", "6", "--hold-file", str(gate)]
 
 
-def test_a_dead_idle_spare_is_replaced_and_the_next_failure_uses_a_hot_spare(
-    tmp_path: Path, reference: torch.Tensor
+@pytest.mark.parametrize(
+    ("fault", "why"),
+    [(signal.SIGKILL, "exited (signal 9)"), (signal.SIGSTOP, "no heartbeat")],
+    ids=["killed", "stopped"],
+)
+def test_a_lost_idle_spare_is_replaced_and_never_assigned(
+    fault: signal.Signals, why: str, tmp_path: Path, reference: torch.Tensor
 ) -> None:
+    """An idle spare that dies (or hangs: SIGSTOP) is retired and replaced; the next failure
+    is taken by the new spare, never by the lost one."""
     gate, args = gated(tmp_path)
 
-    def kill_spare(record: Envelope, known: Processes) -> bool:
+    def lose_spare(record: Envelope, known: Processes) -> bool:
         if record.type == "step_completed" and 0 in known.spares:
-            os.kill(known.spares[0], signal.SIGKILL)
+            os.kill(known.spares[0], fault)
             return True
         return False
 
-    def kill_rank_once_refilled(record: Envelope, known: Processes) -> bool:
+    def kill_rank_once_replaced(record: Envelope, known: Processes) -> bool:
         if record.type == "spare_ready" and record.spare_id == 1:
             os.kill(known.ranks[1], signal.SIGKILL)
             gate.touch()
@@ -88,39 +95,11 @@ def test_a_dead_idle_spare_is_replaced_and_the_next_failure_uses_a_hot_spare(
         return False
 
     job = run_job(
-        tmp_path, spares=1, script_args=args, scenario=[kill_spare, kill_rank_once_refilled]
+        tmp_path, spares=1, script_args=args, scenario=[lose_spare, kill_rank_once_replaced]
     )
     [retired] = job.decisions("retire_spare")
-    assert retired.spare_id == 0 and retired.refill
+    assert retired.spare_id == 0 and why in retired.reason and retired.refill
     assert [(a.rank, a.spare_id) for a in job.records(type="spare_activated")] == [(1, 1)]
     assert job.decisions("spawn_replacement") == []
     assert_lossless(job, reference, incidents=1)
     assert_survivors_kept(job, failed={1})
-
-
-def test_a_stopped_idle_spare_is_dropped_and_never_assigned(
-    tmp_path: Path, reference: torch.Tensor
-) -> None:
-    gate, args = gated(tmp_path)
-
-    def stop_spare(record: Envelope, known: Processes) -> bool:
-        if record.type == "step_completed" and 0 in known.spares:
-            os.kill(known.spares[0], signal.SIGSTOP)
-            return True
-        return False
-
-    def kill_rank_once_replaced(record: Envelope, known: Processes) -> bool:
-        if record.type == "spare_ready" and record.spare_id == 1:
-            os.kill(known.ranks[2], signal.SIGKILL)
-            gate.touch()
-            return True
-        return False
-
-    job = run_job(
-        tmp_path, spares=1, script_args=args, scenario=[stop_spare, kill_rank_once_replaced]
-    )
-    [retired] = job.decisions("retire_spare")
-    assert retired.spare_id == 0 and "no heartbeat" in retired.reason
-    assert [(a.rank, a.spare_id) for a in job.records(type="spare_activated")] == [(2, 1)]
-    assert_lossless(job, reference, incidents=1)
-    assert_survivors_kept(job, failed={2})
