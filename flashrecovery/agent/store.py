@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import psutil
 import torch.distributed as dist
 
+from flashrecovery.errors import ConfigError
 from flashrecovery.trainer_hooks.groups import job_keys
 
 LOOPBACK = "127.0.0.1"
@@ -71,4 +72,4 @@ def loopback_interface() -> str:
     for name, addresses in psutil.net_if_addrs().items():
         if any(a.family == socket.AF_INET and a.address == LOOPBACK for a in addresses):
             return name
-    raise RuntimeError(f"no network interface holds {LOOPBACK}")
+    raise ConfigError(f"no network interface holds {LOOPBACK}: the job's peers can't meet on it")
