@@ -38,7 +38,7 @@ from flashrecovery.records import (
     StepCompleted,
 )
 from flashrecovery.statemachines.base import Trigger
-from flashrecovery.statemachines.job import JobState
+from flashrecovery.statemachines.job import RECOVERING, JobState
 from flashrecovery.statemachines.rank import ALIVE, RankMachine, RankState
 
 # Records a member sends about itself in its generation; older generations are fenced.
@@ -54,7 +54,6 @@ FENCED_TYPES = (
     HeartbeatMissed,
     StallSuspected,
 )
-STEP_WINDOW = 20  # step durations kept per rank for the stall threshold
 
 
 def decide(state: EngineState, position: int, record: Envelope) -> list[Decision]:
@@ -111,14 +110,12 @@ def _job_started(ctx: Context, record: JobStarted) -> None:
         raise Rejected("the job has already started")
     state.config = record
     state.ranks = {
-        r: RankView(
-            RankMachine(f"rank:{r}", census=state.rank_census),
-            grace_until_ts=record.ts + record.startup_grace_s,
-        )
+        r: RankView(RankMachine(f"rank:{r}", census=state.rank_census))
         for r in range(record.world_size)
     }
     for rank in state.ranks:
         state.set_committed(rank, -1)
+        state.watch_from(rank, None, record.ts + record.startup_grace_s)
 
 
 def _rank_joined(ctx: Context, record: RankJoined) -> None:
@@ -131,7 +128,7 @@ def _rank_joined(ctx: Context, record: RankJoined) -> None:
     ctx.fire(view.machine, Trigger.READY)
     state.set_pid(record.rank, record.pid)
     view.host, view.shard = record.host, record.shard
-    view.last_heartbeat_ts, view.grace_until_ts = record.ts, None
+    state.heard_from(record.rank, record.ts)
     if state.job.state == JobState.STARTING and (
         state.rank_census[RankState.HEALTHY] == state.world_size
     ):
@@ -170,7 +167,7 @@ def _heartbeat(ctx: Context, record: Heartbeat) -> None:
     if view.pid != record.pid:
         state.fenced += 1  # an old process of this rank id
         return
-    view.last_heartbeat_ts, view.grace_until_ts = record.ts, None  # alive: the grace is over
+    state.heard_from(record.rank, record.ts)  # alive: the grace is over
     state.set_waiting(record.rank, record.waiting)
     if not _stalled_by(state, view):
         recovery.clear_suspicion(ctx, view)
@@ -198,9 +195,9 @@ def _step_completed(ctx: Context, record: StepCompleted) -> None:
             f"{state.committed.floor()}, and a step commits only when every member voted"
         )
     state.set_committed(record.rank, record.step)
-    view.last_step_ts = record.ts
+    view.last_step_ts = state.last_step_ts = record.ts
     state.set_waiting(record.rank, False)
-    view.step_durations = [*view.step_durations[-(STEP_WINDOW - 1) :], record.duration_s]
+    state.step_durations.append(record.duration_s)
     recovery.clear_suspicion(ctx, view)
     recovery.maybe_close_incidents(ctx)
 
@@ -284,6 +281,8 @@ def _replacement_spawned(ctx: Context, record: ReplacementSpawned) -> None:
 def _rank_regrouped(ctx: Context, record: RankRegrouped) -> None:
     state = ctx.state
     view = state.ranks[record.rank]
+    if state.job.state not in RECOVERING:
+        raise Rejected(f"the job is {state.job.state}, not recovering")
     if view.machine.state == RankState.ISOLATED and view.pid in (None, record.pid):
         recovery.replacement_ready(ctx, record.rank, record.pid, warm=True)  # before the agent
     if view.machine.state == RankState.PENDING:  # generation 0 never formed: it joins in this one
@@ -317,7 +316,7 @@ def _state_transferred(ctx: Context, record: StateTransferred) -> None:
     state = ctx.state
     view = state.ranks[record.rank]
     ctx.require(view.machine, Trigger.END_RESTORE, f"rank {record.rank}")
-    view.last_heartbeat_ts = record.ts
+    state.watch_from(record.rank, record.ts, view.grace_until_ts)
     state.needs_state.discard(record.rank)
     resume_step = recovery.current_resume_step(state)
     state.set_committed(record.rank, resume_step)

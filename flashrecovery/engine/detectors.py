@@ -3,6 +3,7 @@ records; the loop appends them to the log first, so time enters the engine only 
 
 from __future__ import annotations
 
+import heapq
 import statistics
 from typing import Any
 
@@ -11,6 +12,7 @@ from flashrecovery.records import HeartbeatMissed, SpareMissed, StallSuspected
 from flashrecovery.statemachines.job import ENDED, JobState
 from flashrecovery.statemachines.rank import ALIVE, RankState
 
+SLACK_S = 1e-6  # the heap's times are sums; the exact test below decides
 WATCHED = (RankState.HEALTHY, RankState.SUSPECT)  # ranks expected to progress
 BEATING = (RankState.PENDING, *ALIVE)  # processes expected to heartbeat (a recovery included)
 
@@ -27,11 +29,18 @@ def silent_ranks(state: EngineState, now: float) -> list[HeartbeatMissed]:
     if config is None or state.job.state in (*ENDED, JobState.FALLBACK):
         return []
     limit = config.missed_heartbeats * config.heartbeat_interval_s
-    found = []
-    for rank, view in sorted(state.ranks.items()):
+    found, due = [], state.silence_due
+    surfaced: list[tuple[float, int]] = []
+    while due and due[0][0] <= now + SLACK_S:  # only what may be due: the rest is not
+        entry = heapq.heappop(due)
+        rank = entry[1]
+        view = state.ranks[rank]
+        if entry[0] != state.silent_after(rank) or view.machine.state not in BEATING:
+            continue  # superseded by a newer entry, or not expected to beat: drop it
+        surfaced.append(entry)
         last = view.last_heartbeat_ts if view.last_heartbeat_ts is not None else config.ts
         in_grace = view.grace_until_ts is not None and now <= view.grace_until_ts
-        if view.machine.state not in BEATING or in_grace or now - last <= limit:
+        if in_grace or now - last <= limit:
             continue
         found.append(
             HeartbeatMissed(
@@ -41,7 +50,9 @@ def silent_ranks(state: EngineState, now: float) -> list[HeartbeatMissed]:
                 silent_s=round(now - last, 6),
             )
         )
-    return found
+    for entry in surfaced:  # still watched: a later call sees them again
+        heapq.heappush(due, entry)
+    return sorted(found, key=lambda finding: finding.rank)
 
 
 def stalled_ranks(state: EngineState, now: float) -> list[StallSuspected]:
@@ -51,15 +62,13 @@ def stalled_ranks(state: EngineState, now: float) -> list[StallSuspected]:
     config = state.config
     if config is None or state.job.state != JobState.RUNNING:
         return []
-    durations = [d for v in state.ranks.values() for d in v.step_durations]
+    durations = state.step_durations
     window = max(
         config.stall_factor * statistics.median(durations) if durations else 0.0,
         config.stall_floor_s,
     )
     running = state.job.entered("running")
-    last_progress = max(
-        [v.last_step_ts or 0.0 for v in state.ranks.values()] + [running.ts if running else 0.0]
-    )
+    last_progress = max(state.last_step_ts or 0.0, running.ts if running else 0.0)
     if not last_progress or now - last_progress <= window:
         return []
     watched = {r: v for r, v in state.ranks.items() if v.machine.state in WATCHED}

@@ -76,7 +76,8 @@ def fail(ctx: Context, rank: int, failure_ts: float, reason: str) -> None:
         state.set_waiting(r, False)
         if member.machine.state in ALIVE and member.machine.state != RankState.PAUSED:
             ctx.fire(member.machine, Trigger.PAUSE)
-            member.last_heartbeat_ts = ctx.record.ts  # silence is timed from the regroup on
+            # silence is timed from the regroup on
+            state.watch_from(r, ctx.record.ts, member.grace_until_ts)
     for open_incident in state.open_incidents():
         open_incident.generation = state.generation
     ctx.emit(
@@ -150,9 +151,9 @@ def replacement_ready(ctx: Context, rank: int, pid: int, *, warm: bool) -> None:
             return  # the replacement's own regroup record came first
         raise Rejected(f"rank {rank} is {view.machine.state}, not waiting for a replacement")
     state.set_pid(rank, pid)
-    view.last_heartbeat_ts = ctx.record.ts
     config = state.config
-    view.grace_until_ts = None if warm or config is None else ctx.record.ts + config.startup_grace_s
+    grace = None if warm or config is None else ctx.record.ts + config.startup_grace_s
+    state.watch_from(rank, ctx.record.ts, grace)
     ctx.fire(view.machine, Trigger.REPLACE)
     ctx.fire(view.machine, Trigger.REJOIN)
     for incident in state.open_incidents():
@@ -194,7 +195,7 @@ def plan_resume(ctx: Context) -> None:
         ctx.fire(member.machine, Trigger.BEGIN_RESTORE)
         if rank not in plan.recipients:
             ctx.fire(member.machine, Trigger.END_RESTORE)
-            member.last_heartbeat_ts = ctx.record.ts
+            state.watch_from(rank, ctx.record.ts, member.grace_until_ts)
             state.set_committed(rank, plan.resume_step)
     maybe_restored(ctx)
 

@@ -8,7 +8,8 @@ records arrive, so a heartbeat or a step costs the same whatever the size of the
 
 from __future__ import annotations
 
-from collections import Counter
+import heapq
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -17,6 +18,8 @@ from flashrecovery.statemachines.base import Stamp
 from flashrecovery.statemachines.incident import OPEN, IncidentMachine
 from flashrecovery.statemachines.job import JobMachine
 from flashrecovery.statemachines.rank import RankMachine
+
+STEP_WINDOW = 256  # recent step durations (any rank) whose median times the stall window
 
 
 @dataclass
@@ -34,7 +37,6 @@ class RankView:
     # before its first sign of life (heartbeat, join)
     waiting: bool = False  # inside commit(), waiting on peers, as its last heartbeat said
     last_step_ts: float | None = None
-    step_durations: list[float] = field(default_factory=list)
     regrouped_step: int | None = None  # committed step reported for the current generation
 
 
@@ -115,6 +117,12 @@ class EngineState:
     rank_census: Counter[str] = field(default_factory=Counter)  # rank state -> ranks in it
     awaiting_regroup: int = 0  # members of the current generation yet to report regrouped
     holders: dict[int, int] = field(default_factory=dict)  # pid -> the rank it holds now
+    # (when the rank's silence becomes too long, rank), soonest first, one entry per change
+    # (older entries are dropped as they surface): the silence detector looks only at the
+    # entries already due, however large the world.
+    silence_due: list[tuple[float, int]] = field(default_factory=list)
+    last_step_ts: float | None = None  # the job's last step record: its progress
+    step_durations: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
     waiting: int = 0  # ranks whose last heartbeat said they wait inside commit()
 
     @property
@@ -150,6 +158,29 @@ class EngineState:
         view.pid = pid
         if pid is not None:
             self.holders[pid] = rank
+
+    def heard_from(self, rank: int, ts: float) -> None:
+        """A sign of life from the rank's process: its silence counts from ``ts``, and a
+        start-up grace is over."""
+        self.watch_from(rank, ts, None)
+
+    def watch_from(self, rank: int, ts: float | None, grace_until: float | None) -> None:
+        """Time the rank's silence from ``ts`` (None: from the job's start), not before
+        ``grace_until`` ends."""
+        view = self.ranks[rank]
+        view.last_heartbeat_ts, view.grace_until_ts = ts, grace_until
+        heapq.heappush(self.silence_due, (self.silent_after(rank), rank))
+        if len(self.silence_due) > 4 * len(self.ranks) + 64:  # nobody pops (replay): compact
+            self.silence_due = [(self.silent_after(r), r) for r in self.ranks]
+            heapq.heapify(self.silence_due)
+
+    def silent_after(self, rank: int) -> float:
+        """When the rank's silence becomes a missed heartbeat, by what the records say now."""
+        assert self.config is not None
+        view, config = self.ranks[rank], self.config
+        last = view.last_heartbeat_ts if view.last_heartbeat_ts is not None else config.ts
+        limit = config.missed_heartbeats * config.heartbeat_interval_s
+        return max(last + limit, view.grace_until_ts or 0.0)
 
     def set_waiting(self, rank: int, waiting: bool) -> None:
         view = self.ranks[rank]
