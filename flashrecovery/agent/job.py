@@ -20,6 +20,7 @@ from flashrecovery.agent.actions import SPAWNS_PER_S, Actions, SpawnBudget
 from flashrecovery.agent.config import AgentConfig
 from flashrecovery.agent.store import JobStore
 from flashrecovery.agent.supervisor import Child, Supervisor
+from flashrecovery.chain import seal
 from flashrecovery.connectors import open_log
 from flashrecovery.connectors.follow import StreamCursor
 from flashrecovery.engine.loop import EngineLoop
@@ -117,7 +118,8 @@ class Agent:
         return outcome.exit_code
 
     def _finish_report(self, outcome: Outcome) -> None:
-        """Append JobFinished if the log can take it; the exit code says the outcome anyway."""
+        """Append JobFinished, sealing the log's hash chains, if the log can take it; the exit
+        code says the outcome anyway."""
         try:
             self._report(
                 JobFinished(
@@ -127,6 +129,7 @@ class Agent:
                     status="completed" if outcome.status == "completed" else "failed",
                     exit_code=outcome.exit_code,
                     detail=outcome.detail,
+                    **seal(self._log, self.job_id),
                 )
             )
         except LogError as exc:

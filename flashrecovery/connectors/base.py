@@ -10,6 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from flashrecovery.chain import ChainWriter
 from flashrecovery.errors import RecordError
 from flashrecovery.records import Envelope, Stream, parse_record
 
@@ -37,9 +38,12 @@ class LogConnector(ABC):
 
     url: str
 
-    @abstractmethod
+    def __init__(self) -> None:
+        self._chains = ChainWriter()
+
     def append(self, stream: Stream, record: Envelope) -> int:
-        """Store the record durably and return its position."""
+        """Store the record durably, linked into its writer's hash chain; return its position."""
+        return self._chains.append(stream, record, self.append_raw)
 
     @abstractmethod
     def append_raw(self, stream: Stream, job_id: str, raw: bytes) -> int:

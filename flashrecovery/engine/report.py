@@ -9,6 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from flashrecovery import terminal
+from flashrecovery.chain import ChainReport
 from flashrecovery.engine.replay import ReplayReport
 
 
@@ -62,3 +63,26 @@ def print_replay(report: ReplayReport, console: Console | None = None) -> None:
                 f"RTO {inc['rto_s'] * 1000:.1f} ms, committed steps lost {inc['rpo_steps']}, "
                 f"steps recomputed {inc['recomputed_steps']}"
             )
+
+
+def print_chain(report: ChainReport, console: Console | None = None) -> None:
+    console = console or Console()
+    seal = (
+        f"sealed at events position {report.seal_position} (seal hash {report.seal_hash})"
+        if report.sealed
+        else "not sealed (no final record names the chain heads)"
+    )
+    verdict = "[green]chain OK[/]" if report.ok else "[red]CHAIN BROKEN[/]"
+    console.print(
+        f"{verdict}: {report.records} records, {report.writers} writers, {seal}", highlight=False
+    )
+    if report.unchained:
+        console.print(f"{report.unchained} record(s) carry no chain link (older or foreign)")
+    if report.after_seal:
+        console.print(f"{report.after_seal} event(s) after the seal are not covered by it")
+    if report.first is not None:
+        console.print(
+            f"first break: {report.first.describe()} ({len(report.breaks)} in all)",
+            markup=False,
+            highlight=False,
+        )
