@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from harness import machine, stacked_bars, table, write_json
 from rich.console import Console
@@ -19,8 +21,11 @@ from rich.console import Console
 from flashrecovery.chain import ChainWriter, verify
 from flashrecovery.connectors import open_log
 from flashrecovery.connectors.base import Entry
-from flashrecovery.engine.simulation import SimulatedWorld
 from flashrecovery.records import Envelope, Stream, dump_record
+
+# The scripted world (no torch) lives with the tests: tests/simworld.py.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from simworld import SimulatedWorld
 
 
 def workload(ranks: int, steps: int) -> list[Envelope]:
