@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from flashrecovery.chain import read_streams
@@ -145,6 +146,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--until", type=int, default=None, help="stop after this events position")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.add_argument(
+        "--plot",
+        type=Path,
+        metavar="PNG",
+        help="draw the job's timeline (a lane per rank, host, spare and the engine) to this file",
+    )
+    parser.add_argument(
         "--verify-chain",
         action="store_true",
         help="also check every writer's hash chain and the final record's seal; report the "
@@ -161,6 +168,10 @@ def run(args: argparse.Namespace) -> int:
                 raise LogError(f"job {args.job!r} has no records in {args.log}")
             report = replay_job(log, args.job, args.until)
             chain = verify_chains(read_streams(log, args.job)) if args.verify_chain else None
+            if args.plot is not None:
+                from flashrecovery.observe.plot import plot_job  # matplotlib: only when asked
+
+                plot_job(log, args.job, args.plot, report)
     except LogError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -173,4 +184,6 @@ def run(args: argparse.Namespace) -> int:
         print_replay(report)
         if chain is not None:
             print_chain(chain)
+    if args.plot is not None:
+        print(f"timeline: {args.plot}")
     return 0 if report.ok and (chain is None or chain.ok) else 1
