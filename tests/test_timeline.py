@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 from matplotlib import image
+from simworld import scripted_failure
 
 from flashrecovery.cli import main
 from flashrecovery.connectors import open_log
 from flashrecovery.connectors.memory import MemoryLog
 from flashrecovery.engine.replay import replay_job
-from flashrecovery.engine.simulation import scripted_failure
 from flashrecovery.observe.plot import render
 from flashrecovery.observe.timeline import build
 from flashrecovery.records import Stream

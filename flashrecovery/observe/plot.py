@@ -16,7 +16,7 @@ matplotlib.use("Agg")  # files only, never a window
 from matplotlib import pyplot as plt  # after use("Agg"): the backend must be chosen first
 from matplotlib.patches import Patch
 
-PHASE_COLOURS = dict(
+PHASE_COLOURS: dict[str, str] = dict(
     zip(PHASES, ["#d62728", "#ff7f0e", "#bcbd22", "#2ca02c", "#1f77b4", "#9467bd"], strict=True)
 )
 KIND_COLOURS = {"spare": "#9ecae1", "lease": "#c7e9c0", "heard": "#eeeeee"}
