@@ -11,6 +11,7 @@ from rich.table import Table
 from flashrecovery import terminal
 from flashrecovery.chain import ChainReport
 from flashrecovery.engine.replay import ReplayReport
+from flashrecovery.observe.whatif import Comparison
 
 
 def print_replay(report: ReplayReport, console: Console | None = None) -> None:
@@ -86,3 +87,42 @@ def print_chain(report: ChainReport, console: Console | None = None) -> None:
             markup=False,
             highlight=False,
         )
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def print_what_if(comparison: Comparison, console: Console | None = None) -> None:
+    """The recorded run and the what-if run side by side: decisions, then incidents."""
+    console = console or Console()
+    changes = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in comparison.changed.items())
+    console.print(f"[bold]what if[/] {changes or 'nothing changed'}", highlight=False)
+    if comparison.exact:
+        console.print("the what-if run makes exactly the recorded decisions")
+    decisions = Table(title="decisions (s since the job started)")
+    for column in ("#", "recorded at", "recorded", "", "what-if at", "what-if"):
+        decisions.add_column(column)
+    for i, row in enumerate(comparison.decision_rows()):
+        decisions.add_row(
+            str(i),
+            _seconds(row["recorded_at_s"]),
+            row["recorded"] or "-",
+            "" if row["same"] else "[red]≠[/]",
+            _seconds(row["what_if_at_s"]),
+            row["what_if"] or "-",
+        )
+    console.print(decisions)
+    incidents = Table(title="incidents (s)")
+    for column in ("rank", "cause", "detected at", "detection", "RTO", "note"):
+        incidents.add_column(column)
+    for row in comparison.incident_rows():
+        incidents.add_row(
+            str(row["failed_rank"]),
+            f"{row['recorded_cause'] or '-'} / {row['what_if_cause'] or '-'}",
+            f"{_seconds(row['recorded_detected_at_s'])} / {_seconds(row['what_if_detected_at_s'])}",
+            f"{_seconds(row['recorded_detection_s'])} / {_seconds(row['what_if_detection_s'])}",
+            f"{_seconds(row['recorded_rto_s'])} / {_seconds(row['what_if_rto_s'])}",
+            row["note"],
+        )
+    console.print(incidents, "(each cell: recorded / what-if)")
