@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +19,7 @@ from flashrecovery.observe.metrics import JobFold, families
 from flashrecovery.records import Stream
 
 JOB = "scripted"
+ROOT = Path(__file__).resolve().parents[1]
 START_S = 60.0  # bound on the command starting up and answering
 
 
@@ -121,3 +124,28 @@ def test_metrics_command_refuses_a_missing_job(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=START_S,
     )  # fmt: skip
     assert done.returncode == 2 and "no records" in done.stderr
+
+
+def test_the_grafana_dashboard_queries_only_metrics_that_exist() -> None:
+    dashboard = json.loads((ROOT / "docs" / "grafana-dashboard.json").read_text())
+    queried = {
+        name
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
+        for name in re.findall(r"flashrecovery_[a-z_]+", target["expr"])
+    }
+    log = MemoryLog()
+    scripted_failure(log, JOB)
+    fold = fold_of(log)
+    served = {
+        family.name
+        for limit in (64, 0)  # heartbeat ages per rank, then per host
+        for family in families(fold, 0.0, reader_position=0, per_rank_limit=limit)
+    }
+    served |= {f"{name}_total" for name in served}  # counters are exposed with _total
+    served |= {f"{name}_{part}" for name in served for part in ("bucket", "sum", "count")}
+    served |= {
+        "flashrecovery_rank_heartbeat_age_seconds",
+        "flashrecovery_host_heartbeat_age_seconds",
+    }
+    assert queried and queried <= served, queried - served
