@@ -71,6 +71,11 @@ class ChainWriter:
                 self._reset()
             return self._locks.setdefault(key, threading.Lock())
 
+    def head(self, job_id: str, stream: Stream, source: str) -> str | None:
+        """The hash of the last record this handle stored for ``source`` (None: none yet)."""
+        head = self._heads.get((job_id, Stream(stream), source))
+        return head.hash if head else None
+
     def append(self, stream: Stream, record: Envelope, store: Store) -> int:
         """Link the record to its writer's head, store it, and advance the head once stored."""
         key = (record.job_id, Stream(stream), record.source)
@@ -119,7 +124,7 @@ class ChainReport:
     writers: int = 0
     sealed: bool = False  # a JobFinished record named the chain heads
     seal_position: int | None = None
-    seal_hash: str | None = None  # compare with the hash the agent printed at the end
+    seal_hash: str | None = None  # compare with the one the agent printed at the end
     after_seal: int = 0  # events appended after the seal (not covered by it)
 
     @property
@@ -153,7 +158,7 @@ class ChainReport:
         }
 
 
-def tips(entries: Iterable[Entry]) -> dict[str, _Tip]:
+def _tips(entries: Iterable[Entry]) -> dict[str, _Tip]:
     """Each writer's last record in one stream's entries."""
     out: dict[str, _Tip] = {}
     for entry in entries:
@@ -168,7 +173,7 @@ def heads(streams: Mapping[Stream, list[Entry]]) -> list[ChainHead]:
     return [
         ChainHead(stream=stream.value, writer=writer, seq=tip.seq, hash=tip.hash)
         for stream, entries in streams.items()
-        for writer, tip in sorted(tips(entries).items())
+        for writer, tip in sorted(_tips(entries).items())
     ]
 
 

@@ -19,7 +19,7 @@ from flashrecovery.records import JobFinished, StepCompleted, Stream, dump_recor
 JOB = "chained"
 
 
-def sealed_job(log: LogConnector) -> None:
+def sealed_job(log: LogConnector) -> str | None:
     """The scripted failure (rank 2 killed after step 2, a spare takes over), ended by a
     JobFinished that seals the log the way the agent does."""
     world = SimulatedWorld(JOB, world_size=3)
@@ -34,13 +34,17 @@ def sealed_job(log: LogConnector) -> None:
         Stream.EVENTS,
         JobFinished(job_id=JOB, generation=1, source="agent", status="completed", **seal(log, JOB)),
     )
+    return log.chain_head(JOB, Stream.EVENTS, "agent")  # what the agent prints as the seal hash
+
+
+SEAL_HASH = "seal-hash"
 
 
 @pytest.fixture
 def db(tmp_path: Path) -> Path:
     path = tmp_path / "log.db"
     with open_log(f"sqlite:///{path}") as log:
-        sealed_job(log)
+        (path.parent / SEAL_HASH).write_text(str(sealed_job(log)))
     return path
 
 
@@ -75,6 +79,7 @@ def test_an_untouched_log_verifies_and_its_seal_names_every_writer_and_commit(db
     report = check(db)
     assert report["ok"] and report["sealed"] and report["unchained"] == 0
     assert report["after_seal"] == 0
+    assert report["seal_hash"] == (db.parent / SEAL_HASH).read_text()
     with open_log(f"sqlite:///{db}") as log:
         final = log.read(Stream.EVENTS, JOB)[-1].record
     assert isinstance(final, JobFinished)

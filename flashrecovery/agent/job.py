@@ -144,6 +144,10 @@ class Agent:
                     **seal(self._log, self.job_id),
                 )
             )
+            seal_hash = self._log.chain_head(self.job_id, Stream.EVENTS, "agent")
+            print(
+                f"flashrecovery: job {self.job_id} sealed, seal hash {seal_hash}", file=sys.stderr
+            )
         except LogError as exc:
             log.error("could not record the end of the job", error=str(exc))
 

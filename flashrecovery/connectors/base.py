@@ -45,6 +45,10 @@ class LogConnector(ABC):
         """Store the record durably, linked into its writer's hash chain; return its position."""
         return self._chains.append(stream, record, self.append_raw)
 
+    def chain_head(self, job_id: str, stream: Stream, source: str) -> str | None:
+        """SHA-256 of the last record this handle appended for ``source`` in the job's stream."""
+        return self._chains.head(job_id, stream, source)
+
     @abstractmethod
     def append_raw(self, stream: Stream, job_id: str, raw: bytes) -> int:
         """Store bytes as they are (tests and foreign writers); readers flag them if invalid."""

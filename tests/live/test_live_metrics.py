@@ -60,17 +60,23 @@ def collapse(values: list[float | None]) -> list[float]:
     return out
 
 
+def is_subsequence(wanted: list[float], values: list[float]) -> bool:
+    rest = iter(values)
+    return all(any(v == w for v in rest) for w in wanted)
+
+
 def test_metrics_through_a_kill_and_recovery_and_from_the_finished_log(tmp_path: Path) -> None:
     port = free_port()
-    # Slow steps: the refilled spare has time to get ready before the job ends.
+    # An early kill and slow steps: the refilled spare has time to get ready (a new spare
+    # imports torch and warms up: 10 s and more on two busy cores) before the job ends.
     with Scraper(f"http://127.0.0.1:{port}/metrics") as scraper:
-        job = run_job(tmp_path, spares=1, kill_at={1: 8}, step_time_s=0.5, metrics_port=port)
+        job = run_job(tmp_path, spares=1, kill_at={1: 3}, step_time_s=1.0, metrics_port=port)
     assert job.exit_code == 0, job.records(type="job_finished")
     live = scraper.seen
     assert len(live) > 10, "the endpoint never answered"
 
     spares = collapse([value(s, "flashrecovery_spares_ready") for s in live])
-    assert spares[:4] == [0, 1, 0, 1], spares  # none yet, ready, taken by rank 1, refilled
+    assert is_subsequence([1, 0, 1], spares), spares  # ready, taken for rank 1, refilled
     incidents = collapse(
         [value(s, "flashrecovery_incidents_total", cause="rank_exited") for s in live]
     )
