@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from matplotlib import image
-from simworld import scripted_failure
+from simworld import scripted_failure, scripted_hang
 
 from flashrecovery.cli import main
 from flashrecovery.connectors import open_log
@@ -72,3 +72,21 @@ def test_replay_plot_option_writes_the_picture(
     assert main(["replay", "--log", url, "--job", JOB, "--plot", str(target)]) == 0
     assert f"timeline: {target}" in capsys.readouterr().out
     assert image.imread(target).shape[2] in (3, 4)
+
+
+def test_a_hang_is_marked_where_the_silence_began_and_zoomed_in_on(tmp_path: Path) -> None:
+    log = MemoryLog()
+    scripted_hang(log, "hung")
+    report = replay_job(log, "hung")
+    line = build(log.read(Stream.EVENTS, "hung"), report)
+    [incident] = report.state.incidents
+    [fault] = [m for m in line.marks if m.kind == "fault"]
+    assert (fault.lane, fault.label) == ("rank 1", "silent from here")
+    assert fault.at == pytest.approx(incident.failure_ts - line.t0)
+    symptoms = [(m.lane, m.label.split(" ")[0]) for m in line.marks if m.kind == "symptom"]
+    assert ("rank 1", "silent") in symptoms  # the detector's finding, when it was made
+    assert ("rank 1", "signal") in symptoms  # the hung process killed once isolated
+    [(start, end)] = line.incidents().values()
+    assert start == pytest.approx(fault.at)
+    assert end - start == pytest.approx(sum(line.phases(incident.incident_id).values()))
+    assert image.imread(render(line, tmp_path / "hang.png")).shape[0] > 600  # two panels

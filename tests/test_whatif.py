@@ -7,63 +7,24 @@ import json
 from pathlib import Path
 
 import pytest
-from simworld import SimulatedWorld, drive, scripted_failure
+from simworld import scripted_failure, scripted_hang
 
 from flashrecovery.cli import main
 from flashrecovery.connectors import open_log
-from flashrecovery.connectors.base import LogConnector
 from flashrecovery.connectors.memory import MemoryLog
-from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.errors import ConfigError
 from flashrecovery.observe.whatif import compare, parse_settings
-from flashrecovery.records import Decision, Heartbeat, RankExited, SpareHeartbeat, Stream
+from flashrecovery.records import SpareHeartbeat, Stream
 
 JOB = "hung"
 BEAT_S = 0.5  # the recorded heartbeat interval: a rank is missed after 3 x 0.5 s of silence
 POLL_S = 0.05  # how often the recorded engine looked, as the engine loop polls
 
 
-def hung_rank_job(log: LogConnector, hung: int = 1) -> None:
-    """Train, then rank ``hung`` stops (SIGSTOP): its peers wait in commit() and keep beating
-    every BEAT_S until the engine's detector, looking every POLL_S, misses it; the spare takes
-    over and the job finishes."""
-    world = SimulatedWorld(JOB, world_size=3, spares=1, heartbeat_interval_s=BEAT_S)
-    engine = EngineLoop(log, JOB, clock=lambda: world.clock)
-    drive(log, engine, world, world.start())
-    drive(log, engine, world, world.train(4))
-    stopped_pid = world.pids[hung]
-    next_beat = world.clock + BEAT_S
-    while not engine.detect():
-        world.clock = round(world.clock + POLL_S, 6)
-        if world.clock >= next_beat:
-            next_beat += BEAT_S
-            beats = [
-                Heartbeat(
-                    **world._env(f"rank:{r}"),
-                    rank=r,
-                    step=world.committed,
-                    pid=pid,
-                    host="sim-host",
-                    waiting=True,
-                )
-                for r, pid in sorted(world.pids.items())
-                if r != hung
-            ]
-            drive(log, engine, world, [*beats, *world.spare_heartbeats()])
-    seen = len(log.read(Stream.DECISIONS, JOB))
-    engine.apply(log.read(Stream.EVENTS, JOB, engine.next_position))  # the finding: decide
-    decided = [e.record for e in log.read(Stream.DECISIONS, JOB)[seen:]]
-    answers = [r for d in decided if isinstance(d, Decision) for r in world.react(d)]
-    killed = RankExited(**world._env("agent"), rank=hung, pid=stopped_pid, signal=9)
-    drive(log, engine, world, [*answers, killed])
-    drive(log, engine, world, world.train(2))
-    drive(log, engine, world, world.finish())
-
-
 @pytest.fixture
 def hung_log() -> MemoryLog:
     log = MemoryLog()
-    hung_rank_job(log)
+    scripted_hang(log, JOB, heartbeat_interval_s=BEAT_S, poll_s=POLL_S)
     return log
 
 
@@ -155,7 +116,7 @@ def test_replay_what_if_on_the_command_line(
 ) -> None:
     url = f"sqlite:///{tmp_path / 'log.db'}"
     with open_log(url) as log:
-        hung_rank_job(log)
+        scripted_hang(log, JOB, heartbeat_interval_s=BEAT_S, poll_s=POLL_S)
     argv = ["replay", "--log", url, "--job", JOB, "--what-if", "heartbeat_interval=0.2"]
     assert main(argv) == 0
     out = capsys.readouterr().out

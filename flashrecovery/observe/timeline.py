@@ -28,6 +28,7 @@ from flashrecovery.records import (
     StallSuspected,
     StepCompleted,
 )
+from flashrecovery.statemachines.incident import PHASES
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,16 @@ class Timeline:
     spans: list[Span] = field(default_factory=list)
     marks: list[Mark] = field(default_factory=list)
 
+    def incidents(self) -> dict[str, tuple[float, float]]:
+        """Each incident's id -> (fault, end of its last phase)."""
+        out: dict[str, tuple[float, float]] = {}
+        for span in self.spans:
+            if span.kind in PHASES:
+                incident = span.label.split(" ", 1)[0]
+                start, end = out.get(incident, (span.start, span.end))
+                out[incident] = (min(start, span.start), max(end, span.end))
+        return out
+
     def phases(self, incident_id: str) -> dict[str, float]:
         """An incident's phase durations as the picture shows them."""
         return {
@@ -69,12 +80,20 @@ def rank_lane(rank: int) -> str:
     return f"rank {rank}"
 
 
-FAULTS = (RankExited, HeartbeatMissed, StallSuspected)
+SYMPTOMS = (HeartbeatMissed, StallSuspected, CollectiveError, HealthReport)
+# Where a fault that no exit record shows began (at the incident's estimated fault time).
+SILENT_FAULTS = {
+    "heartbeat_missed": "silent from here",
+    "stall_suspected": "stuck from here",
+    "health_report": "unhealthy",
+}
 
 
 def build(events: list[Entry], report: ReplayReport) -> Timeline:
     """The timeline of a job from its events and the replay of them."""
-    records = [e.record for e in events if e.record is not None]
+    entries = [e for e in events if e.record is not None]
+    records = [e.record for e in entries if e.record is not None]
+    revealing = {i.detected.position for i in report.state.incidents}
     if not records:
         return Timeline(report.job_id, 0.0, 0.0)
     t0 = records[0].ts
@@ -82,19 +101,21 @@ def build(events: list[Entry], report: ReplayReport) -> Timeline:
     ranks = sorted(report.state.ranks)
     hosts: dict[str, list[float]] = {}
     spares: dict[int, tuple[float, str]] = {}  # spare id -> (ready at, host)
-    for record in records:
+    for entry, record in zip(entries, records, strict=True):
         at = record.ts - t0
         host = getattr(record, "host", None)
         if isinstance(record, Heartbeat | RankJoined) and host:
             hosts.setdefault(host, []).append(at)
         if isinstance(record, StepCompleted):
             line.marks.append(Mark(rank_lane(record.rank), at, str(record.step), "commit"))
-        elif isinstance(record, FAULTS) and record.rank is not None:
-            line.marks.append(Mark(rank_lane(record.rank), at, _fault_label(record), "fault"))
-        elif isinstance(record, CollectiveError | HealthReport) and not getattr(
-            record, "ok", False
-        ):
-            line.marks.append(Mark(rank_lane(record.rank), at, record.type, "symptom"))
+        elif isinstance(record, RankExited) and record.rank is not None:
+            # The exit that revealed an incident is its fault; a later one (an isolated process
+            # killed, the end of the job) is only a symptom, and exit 0 is the normal end.
+            kind = "fault" if entry.position in revealing else "symptom"
+            if record.signal is not None or record.exit_code:
+                line.marks.append(Mark(rank_lane(record.rank), at, _exit_label(record), kind))
+        elif isinstance(record, SYMPTOMS) and not getattr(record, "ok", False):
+            line.marks.append(Mark(rank_lane(record.rank), at, _symptom_label(record), "symptom"))
         elif isinstance(record, SpareReady):
             spares[record.spare_id] = (at, record.host)
         elif isinstance(record, SpareActivated | RankExited) and record.spare_id in spares:
@@ -107,7 +128,7 @@ def build(events: list[Entry], report: ReplayReport) -> Timeline:
     for spare_id, (start, _) in spares.items():
         line.spans.append(Span(f"spare {spare_id}", start, line.end, "ready", "spare"))
     line.spans.extend(_lease_spans(records, t0, line.end))
-    line.spans.extend(_phase_spans(report, t0))
+    line.spans.extend(_phase_spans(report, t0, line.marks))
     for host, seen in sorted(hosts.items()):
         line.spans.append(Span(f"host {host}", min(seen), max(seen), "heard from", "heard"))
     spare_lanes = sorted({s.lane for s in line.spans if s.kind == "spare"}, key=_number)
@@ -124,21 +145,29 @@ def _number(lane: str) -> int:
     return int(lane.rsplit(" ", 1)[-1])
 
 
-def _fault_label(record: RankExited | HeartbeatMissed | StallSuspected) -> str:
-    if isinstance(record, RankExited):
-        return (
-            f"signal {record.signal}" if record.signal is not None else f"exit {record.exit_code}"
-        )
+def _exit_label(record: RankExited) -> str:
+    return f"signal {record.signal}" if record.signal is not None else f"exit {record.exit_code}"
+
+
+def _symptom_label(
+    record: HeartbeatMissed | StallSuspected | CollectiveError | HealthReport,
+) -> str:
     if isinstance(record, HeartbeatMissed):
         return f"silent {record.silent_s:.1f}s"
-    return f"stalled {record.stalled_s:.1f}s"
+    if isinstance(record, StallSuspected):
+        return f"stalled {record.stalled_s:.1f}s"
+    return record.type
 
 
-def _phase_spans(report: ReplayReport, t0: float) -> list[Span]:
-    """Each phase from the end of the previous one, lasting what replay says it lasted."""
+def _phase_spans(report: ReplayReport, t0: float, marks: list[Mark]) -> list[Span]:
+    """Each phase from the end of the previous one, lasting what replay says it lasted; a fault
+    no exit shows is marked where the incident estimates it began."""
     spans = []
     for incident, row in zip(report.state.incidents, report.incidents(), strict=True):
         start = incident.failure_ts - t0
+        if incident.detected.cause in SILENT_FAULTS:
+            lane, label = rank_lane(incident.failed_rank), SILENT_FAULTS[incident.detected.cause]
+            marks.append(Mark(lane, start, label, "fault"))
         for phase, seconds in row["phases_s"].items():
             label = f"{incident.incident_id} {phase} {seconds * 1000:.0f} ms"
             spans.append(
