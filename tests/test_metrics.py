@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from scrape import scrape, value
-from simworld import scripted_failure
+from simworld import SimulatedWorld, scripted_failure
 
 from flashrecovery.connectors import open_log
 from flashrecovery.connectors.memory import MemoryLog
@@ -149,3 +149,23 @@ def test_the_grafana_dashboard_queries_only_metrics_that_exist() -> None:
         "flashrecovery_host_heartbeat_age_seconds",
     }
     assert queried and queried <= served, queried - served
+
+
+def test_engine_service_serves_metrics_with_its_log_lag(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    world = SimulatedWorld(JOB, world_size=2, spares=0)
+    with open_log(url) as log:
+        for record in [*world.start(), *world.train(3)]:  # a job still running
+            log.append(Stream.EVENTS, record)
+    command = [sys.executable, "-m", "flashrecovery.cli", "engine", "--log", url, "--job", JOB]
+    engine = subprocess.Popen([*command, "--metrics-port", "0"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert engine.stdout is not None
+        lines = [engine.stdout.readline(), engine.stdout.readline()]  # serving…, metrics on…
+        assert lines[1].startswith("metrics on http://"), lines
+        got = scrape(lines[1].removeprefix("metrics on ").strip(), timeout=START_S)
+    finally:
+        engine.terminate()
+        assert engine.wait(START_S) == 0
+    assert value(got, "flashrecovery_log_lag_records") is not None
+    assert value(got, "flashrecovery_ranks", state="pending") is not None
