@@ -11,6 +11,7 @@ import pytest
 from livejob import STEPS, run_job
 from scrape import Samples, free_port, scrape, value
 
+from flashrecovery.chain import read_streams, verify
 from flashrecovery.observe.exporter import MetricsServer
 
 pytestmark = pytest.mark.timeout(240)
@@ -91,6 +92,12 @@ def test_metrics_through_a_kill_and_recovery_and_from_the_finished_log(tmp_path:
     assert committed == sorted(committed) and committed[-1] >= STEPS - 5
     lag = [value(s, "flashrecovery_log_lag_records") for s in live]
     assert all(v is not None and v >= 0 for v in lag)
+
+    # Ranks, spares, the agent, the engine and its detectors all wrote to one log at once: every
+    # writer's hash chain holds, and the agent's final record seals them all.
+    chain = verify(read_streams(job.log, job.job_id))
+    assert chain.ok and chain.sealed and chain.unchained == 0, chain.first
+    assert chain.writers >= 6  # 3 ranks, a spare, the agent, the engine (and more processes)
 
     # The finished job, from its log alone, on a port the OS picks.
     server = MetricsServer(job.log.url, job.job_id, 0, host="127.0.0.1").start()
