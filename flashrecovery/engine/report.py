@@ -67,7 +67,7 @@ def print_replay(report: ReplayReport, console: Console | None = None) -> None:
 
 
 def print_chain(report: ChainReport, console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or terminal.console()
     seal = (
         f"sealed at events position {report.seal_position} (seal hash {report.seal_hash})"
         if report.sealed
@@ -95,7 +95,7 @@ def _seconds(value: float | None) -> str:
 
 def print_what_if(comparison: Comparison, console: Console | None = None) -> None:
     """The recorded run and the what-if run side by side: decisions, then incidents."""
-    console = console or Console()
+    console = console or terminal.console()
     changes = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in comparison.changed.items())
     console.print(f"[bold]what if[/] {changes or 'nothing changed'}", highlight=False)
     if comparison.exact:
@@ -107,10 +107,10 @@ def print_what_if(comparison: Comparison, console: Console | None = None) -> Non
         decisions.add_row(
             str(i),
             _seconds(row["recorded_at_s"]),
-            row["recorded"] or "-",
+            escape(row["recorded"] or "-"),
             "" if row["same"] else "[red]≠[/]",
             _seconds(row["what_if_at_s"]),
-            row["what_if"] or "-",
+            escape(row["what_if"] or "-"),
         )
     console.print(decisions)
     incidents = Table(title="incidents (s)")
@@ -123,6 +123,6 @@ def print_what_if(comparison: Comparison, console: Console | None = None) -> Non
             f"{_seconds(row['recorded_detected_at_s'])} / {_seconds(row['what_if_detected_at_s'])}",
             f"{_seconds(row['recorded_detection_s'])} / {_seconds(row['what_if_detection_s'])}",
             f"{_seconds(row['recorded_rto_s'])} / {_seconds(row['what_if_rto_s'])}",
-            row["note"],
+            escape(row["note"]),
         )
     console.print(incidents, "(each cell: recorded / what-if)")

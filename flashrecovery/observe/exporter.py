@@ -49,7 +49,9 @@ class MetricsServer(Collector):
         per_rank_limit: int = PER_RANK_LIMIT,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.log = open_log(log_or_url) if isinstance(log_or_url, str) else log_or_url
+        self.log = (
+            open_log(log_or_url, read_only=True) if isinstance(log_or_url, str) else log_or_url
+        )
         self._owns_log = isinstance(log_or_url, str)
         self.fold = JobFold(job_id)
         self.host, self.port = host, port
@@ -159,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: --port must be 0..65535, got {args.port}", file=sys.stderr)
         return 2
     try:
-        log = open_log(args.log, must_exist=True)
+        log = open_log(args.log, read_only=True)
         if args.job not in log.jobs():
             log.close()
             raise LogError(f"job {args.job!r} has no records in {args.log}")
