@@ -70,6 +70,7 @@ class JobFold:
     detection_seconds: Buckets = field(default_factory=lambda: Buckets(DETECTION_BUCKETS))
     closed: list[IncidentClosed] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)  # events positions applied, in order
+    top_step: int = -1  # highest step the job has committed (finished ranks leave the state's)
 
     def __post_init__(self) -> None:
         self.state = EngineState(self.job_id)
@@ -79,6 +80,7 @@ class JobFold:
         before = (state.rejected.total(), state.fenced, len(state.incidents))
         decisions = ingest(state, entry)
         self.positions.append(entry.position)
+        self.top_step = max(self.top_step, state.max_committed())
         accepted = (state.rejected.total(), state.fenced) == before[:2]
         if accepted and isinstance(entry.record, StepCompleted):
             self.step_seconds.observe(entry.record.duration_s)
@@ -120,7 +122,7 @@ def families(
     engine's, where one runs in this process)."""
     state, job = fold.state, fold.job_id
     committed = _counter("steps_committed", "Steps of the job committed (highest + 1)", [])
-    committed.add_metric([job], state.max_committed() + 1)
+    committed.add_metric([job], fold.top_step + 1)
     yield committed
     yield _histogram(
         "step_duration_seconds", "Step durations ranks reported", job, fold.step_seconds
