@@ -18,6 +18,7 @@ COMMANDS: dict[str, str] = {
     "demo": "flashrecovery.demo.cli",
     "events": "flashrecovery.inspect",
     "replay": "flashrecovery.engine.replay",
+    "metrics": "flashrecovery.observe.exporter",
     "diagram": "flashrecovery.statemachines.diagram",
     "broker": "flashrecovery.connectors.kafka_broker",
     "topics": "flashrecovery.connectors.kafka_topics",

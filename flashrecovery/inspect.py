@@ -33,6 +33,7 @@ SUMMARY_SKIP = {
     "ts",
     "type",
     "rank",
+    "chain",
 }
 
 

@@ -37,8 +37,19 @@ def new_record_id() -> str:
     return uuid.uuid4().hex
 
 
+class ChainLink(BaseModel):
+    """A record's place in its writer's hash chain (flashrecovery/chain.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    writer: str = Field(min_length=1)  # "<source>/<token>": one log handle's records of a source
+    seq: int = Field(ge=0)  # 0, 1, 2 … within the writer's chain
+    prev: str  # SHA-256 (hex) of the writer's previous record as stored; "" for its first
+
+
 class Envelope(BaseModel):
-    """Fields every record carries."""
+    """Fields every record carries. Two records are equal when they say the same thing: the
+    chain link says where a record sits in its writer's chain, not what it says."""
 
     # A NaN loss is news, not noise: write it as the JSON string "NaN" (plain JSON, and it
     # parses back to a float NaN) rather than pydantic's default null.
@@ -51,6 +62,18 @@ class Envelope(BaseModel):
     source: str = Field(min_length=1)  # "rank:3", "spare:1", "agent", "detector", "engine"
     ts: float = Field(default_factory=time.time, ge=0)  # unix seconds, stamped at the edge
     type: str  # each record type narrows this to its own literal name
+    chain: ChainLink | None = None  # stamped by the log handle on append; absent in old logs
+
+    def _content(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "chain"}
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Envelope):
+            return NotImplemented
+        return type(self) is type(other) and self._content() == other._content()
+
+    def __hash__(self) -> int:
+        return hash((type(self), *self._content().items()))
 
 
 # ---------------------------------------------------------------- events
@@ -221,11 +244,36 @@ class RankFinished(Envelope):
     step: Step
 
 
+class ChainHead(BaseModel):
+    """A writer's last record on a stream when the job ended."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    stream: Literal["events", "decisions"]
+    writer: str
+    seq: int = Field(ge=0)
+    hash: str
+
+
+class CommitRun(BaseModel):
+    """Steps first_step..last_step were each committed by exactly these ranks."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    first_step: int = Field(ge=0)
+    last_step: int = Field(ge=0)
+    ranks: list[RankId]
+
+
 class JobFinished(Envelope):
+    """The agent ends the job; the record seals the log (flashrecovery/chain.py)."""
+
     type: Literal["job_finished"] = "job_finished"
     status: Literal["completed", "failed"]
     exit_code: int = 0
     detail: str = ""
+    chain_heads: list[ChainHead] = Field(default_factory=list)
+    committed: list[CommitRun] = Field(default_factory=list)
 
 
 class EngineLease(Envelope):
@@ -405,8 +453,9 @@ def parse_record(data: bytes | str | dict[str, Any], stream: Stream | None = Non
 
 
 def dump_record(record: Envelope) -> bytes:
-    """The record as compact JSON bytes (what every backend stores)."""
-    return record.model_dump_json().encode()
+    """The record as compact JSON bytes (what every backend stores); no chain key when the
+    record has no link, so unchained records read exactly as before."""
+    return record.model_dump_json(exclude={"chain"} if record.chain is None else None).encode()
 
 
 def decision_id(job_id: str, caused_by: int, index: int) -> str:

@@ -227,3 +227,49 @@ def scripted_failure(
     decisions += drive(log, engine, world, world.train(steps_after))
     decisions += drive(log, engine, world, world.finish())
     return decisions
+
+
+def scripted_hang(
+    log: LogConnector,
+    job_id: str,
+    *,
+    hung: int = 1,
+    heartbeat_interval_s: float = 0.5,
+    poll_s: float = 0.05,
+) -> None:
+    """Train, then rank ``hung`` stops (SIGSTOP): its peers wait in commit() and keep beating
+    every interval until the engine's detector, looking every ``poll_s``, misses it; the spare
+    takes over and the job finishes."""
+    world = SimulatedWorld(
+        job_id, world_size=3, spares=1, heartbeat_interval_s=heartbeat_interval_s
+    )
+    engine = EngineLoop(log, job_id, clock=lambda: world.clock)
+    drive(log, engine, world, world.start())
+    drive(log, engine, world, world.train(4))
+    stopped_pid = world.pids[hung]
+    next_beat = world.clock + heartbeat_interval_s
+    while not engine.detect():
+        world.clock = round(world.clock + poll_s, 6)
+        if world.clock >= next_beat:
+            next_beat += heartbeat_interval_s
+            beats = [
+                Heartbeat(
+                    **world._env(f"rank:{r}"),
+                    rank=r,
+                    step=world.committed,
+                    pid=pid,
+                    host=HOST,
+                    waiting=True,
+                )
+                for r, pid in sorted(world.pids.items())
+                if r != hung
+            ]
+            drive(log, engine, world, [*beats, *world.spare_heartbeats()])
+    seen = len(log.read(Stream.DECISIONS, job_id))
+    engine.apply(log.read(Stream.EVENTS, job_id, engine.next_position))  # the finding: decide
+    decided = [e.record for e in log.read(Stream.DECISIONS, job_id)[seen:]]
+    answers = [r for d in decided if isinstance(d, Decision) for r in world.react(d)]
+    killed = RankExited(**world._env("agent"), rank=hung, pid=stopped_pid, signal=9)
+    drive(log, engine, world, [*answers, killed])
+    drive(log, engine, world, world.train(2))
+    drive(log, engine, world, world.finish())

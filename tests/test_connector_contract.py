@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from multiprocessing.context import SpawnProcess
 from multiprocessing.synchronize import Event as MpEvent
 
+from flashrecovery.chain import verify as verify_chains
 from flashrecovery.connectors import Entry, LogConnector, open_log
 from flashrecovery.records import (
     Envelope,
@@ -76,7 +77,15 @@ def test_append_returns_increasing_positions_and_read_returns_each_jobs_records(
         entries = log.read(EVENTS, job_id)
         assert [e.position for e in entries] == [p for p, _ in expected]
         assert records_of(entries) == [r for _, r in expected]
-        assert [e.raw for e in entries] == [dump_record(r) for _, r in expected]
+        # Stored as dumped, with the link of its writer's chain (rank:0 on this handle).
+        links = [e.record.chain for e in entries if e.record is not None]
+        assert [e.raw for e in entries] == [
+            dump_record(r.model_copy(update={"chain": link}))
+            for (_, r), link in zip(expected, links, strict=True)
+        ]
+        assert [(link.seq, link.writer.split("/")[0]) for link in links if link] == [
+            (seq, "rank:0") for seq in range(10)
+        ]
         assert all(e.error is None for e in entries)
     assert log.read(EVENTS, "job-c") == []
 
@@ -315,6 +324,9 @@ def assert_each_writer_complete_and_in_order(entries: list[Entry]) -> None:
         by_writer.setdefault(entry.record.rank, []).append(entry.record.step)
     # No loss, no duplicate, and each writer's records in the order it appended them.
     assert by_writer == {writer: list(range(PER_WRITER)) for writer in range(WRITERS)}
+    # Each writer's hash chain holds although the writers appended at the same time.
+    report = verify_chains({EVENTS: entries})
+    assert report.ok and report.writers == WRITERS and report.unchained == 0, report.breaks
 
 
 def test_concurrent_writer_threads_with_a_follower(log: LogConnector) -> None:

@@ -119,6 +119,8 @@ def test_summary_of_a_scripted_recovery(tmp_path: Path) -> None:
     assert incident["replacement"] == "hot spare 0"
     assert incident["committed_steps_lost"] == 0 and incident["steps_recomputed"] == 1
     assert incident["rto_from_kill_s"] >= incident["rto_s"] > 0
+    assert Path(summary["timeline"]) == tmp_path / "timeline.png"
+    assert Path(summary["timeline"]).read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 
 def test_a_survivor_in_a_new_process_is_an_unplanned_restart() -> None:

@@ -47,7 +47,7 @@ def types(decisions: list[Decision]) -> list[str]:
 
 
 def essentials(log: MemoryLog) -> list[tuple[str, dict[str, object]]]:
-    drop = {"record_id", "caused_by", "ts", "source", "rto_s", "phases"}  # time moved on
+    drop = {"record_id", "caused_by", "ts", "source", "rto_s", "phases", "chain"}  # time moved on
     return [
         (e.record.type, e.record.model_dump(exclude=drop))
         for e in log.read(Stream.DECISIONS, JOB)

@@ -14,7 +14,7 @@ from flashrecovery.engine.replay import replay_job
 from flashrecovery.records import Decision, Envelope, RankExited, Stream
 
 JOB = "scripted"
-VOLATILE = {"schema_version", "record_id", "job_id", "source", "ts"}
+VOLATILE = {"schema_version", "record_id", "job_id", "source", "ts", "chain"}
 
 
 def running(

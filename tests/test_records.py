@@ -220,7 +220,7 @@ def typed_garbage(draw: st.DrawFn) -> dict[str, Any]:
     for name in cls.model_fields:
         if name in data or draw(st.integers(0, 9)) == 0:
             continue  # sometimes missing
-        data[name] = draw(st.just(valid[name]) | JSON_VALUES)
+        data[name] = draw(st.just(valid.get(name)) | JSON_VALUES)
     if draw(st.booleans()):
         data[draw(st.text(max_size=8))] = draw(JSON_VALUES)
     return data

@@ -34,6 +34,7 @@ class AgentConfig:
     max_replacements: int = 3  # the same rank failing this often at one step fails the job
     max_incidents: int | None = None  # incidents recovered at most (None: no bound)
     spare_refill: str = "immediate"  # or "after-recovery": when a taken spare is replaced
+    metrics_port: int | None = None  # serve Prometheus metrics here (0: any free port)
 
     def resolved(self) -> AgentConfig:
         """The config with defaults filled in and every argument checked (ConfigError)."""
@@ -57,6 +58,8 @@ class AgentConfig:
             raise ConfigError(
                 f"--spare-refill {self.spare_refill!r}: expected one of {', '.join(SPARE_REFILL)}"
             )
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port must be 0..65535, got {self.metrics_port}")
         job_id = self.job_id or f"job-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         if not _JOB_ID.match(job_id):
             raise ConfigError(f"job id {job_id!r} may hold only letters, digits, '_', '.', '-'")

@@ -20,10 +20,12 @@ from flashrecovery.agent.actions import SPAWNS_PER_S, Actions, SpawnBudget
 from flashrecovery.agent.config import AgentConfig
 from flashrecovery.agent.store import JobStore
 from flashrecovery.agent.supervisor import Child, Supervisor
+from flashrecovery.chain import seal
 from flashrecovery.connectors import open_log
 from flashrecovery.connectors.follow import StreamCursor
 from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.errors import LogError
+from flashrecovery.observe.exporter import MetricsServer
 from flashrecovery.records import Decision, Envelope, JobFinished, JobStarted, RankExited, Stream
 
 log = structlog.get_logger("flashrecovery.agent")
@@ -59,9 +61,17 @@ class Agent:
         self._log = open_log(self.log_url)
         self._stop = threading.Event()
         self._generation = 0  # the newest generation a decision named
+        self.metrics: MetricsServer | None = None  # serving before the first rank starts
+        self._engine: EngineLoop | None = None
 
     def run(self) -> int:
         config = self.config
+        try:  # first: a port in use ends the job before anything starts
+            self.metrics = self._serve_metrics()
+        except OSError as exc:
+            print(f"flashrecovery run: error: metrics port: {exc}", file=sys.stderr)
+            self._log.close()
+            return 2
         store = JobStore.open(STORE_TIMEOUT)
         self._report(
             JobStarted(
@@ -77,6 +87,7 @@ class Agent:
             )
         )
         engine = None if config.external_engine else EngineLoop(self.log_url, self.job_id).start()
+        self._engine = engine
         supervisor = Supervisor(
             [sys.executable, str(config.script), *config.script_args],
             self._child_env(store),
@@ -110,6 +121,8 @@ class Agent:
                 self._finish_report(outcome)
                 if engine is not None:
                     engine.stop()
+                if self.metrics is not None:
+                    self.metrics.stop()
                 _restore_signals(previous)
                 self._log.close()
         if outcome.status != "completed":
@@ -117,7 +130,8 @@ class Agent:
         return outcome.exit_code
 
     def _finish_report(self, outcome: Outcome) -> None:
-        """Append JobFinished if the log can take it; the exit code says the outcome anyway."""
+        """Append JobFinished, sealing the log's hash chains, if the log can take it; the exit
+        code says the outcome anyway."""
         try:
             self._report(
                 JobFinished(
@@ -127,10 +141,27 @@ class Agent:
                     status="completed" if outcome.status == "completed" else "failed",
                     exit_code=outcome.exit_code,
                     detail=outcome.detail,
+                    **seal(self._log, self.job_id),
                 )
+            )
+            seal_hash = self._log.chain_head(self.job_id, Stream.EVENTS, "agent")
+            print(
+                f"flashrecovery: job {self.job_id} sealed, seal hash {seal_hash}", file=sys.stderr
             )
         except LogError as exc:
             log.error("could not record the end of the job", error=str(exc))
+
+    def _serve_metrics(self) -> MetricsServer | None:
+        port = self.config.metrics_port
+        if port is None:
+            return None
+        reader = None if self.config.external_engine else self._engine_position
+        server = MetricsServer(self.log_url, self.job_id, port, reader_position=reader).start()
+        print(f"flashrecovery: metrics on {server.url}", file=sys.stderr, flush=True)
+        return server
+
+    def _engine_position(self) -> int:
+        return self._engine.next_position if self._engine is not None else 0
 
     def stop(self) -> None:
         """Ask a running job to end (from another thread): it fails and is torn down."""

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from flashrecovery.agent.config import SPARE_REFILL, AgentConfig
 from flashrecovery.errors import ConfigError
+from flashrecovery.observe.exporter import add_metrics_port
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,6 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="write each process's output to its own file here",
     )
+    add_metrics_port(parser)
     parser.add_argument(
         "--fault",
         action="append",
@@ -112,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
                 max_replacements=args.max_replacements,
                 max_incidents=args.max_incidents,
                 spare_refill=args.spare_refill,
+                metrics_port=args.metrics_port,
             )
         )
     except ConfigError as exc:

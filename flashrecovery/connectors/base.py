@@ -10,6 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from flashrecovery.chain import ChainWriter
 from flashrecovery.errors import RecordError
 from flashrecovery.records import Envelope, Stream, parse_record
 
@@ -37,9 +38,16 @@ class LogConnector(ABC):
 
     url: str
 
-    @abstractmethod
+    def __init__(self) -> None:
+        self._chains = ChainWriter()
+
     def append(self, stream: Stream, record: Envelope) -> int:
-        """Store the record durably and return its position."""
+        """Store the record durably, linked into its writer's hash chain; return its position."""
+        return self._chains.append(stream, record, self.append_raw)
+
+    def chain_head(self, job_id: str, stream: Stream, source: str) -> str | None:
+        """SHA-256 of the last record this handle appended for ``source`` in the job's stream."""
+        return self._chains.head(job_id, stream, source)
 
     @abstractmethod
     def append_raw(self, stream: Stream, job_id: str, raw: bytes) -> int:

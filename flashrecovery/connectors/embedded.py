@@ -33,7 +33,7 @@ from urllib.parse import parse_qsl, unquote
 
 from flashrecovery.connectors.base import Entry, LogConnector
 from flashrecovery.errors import LogError
-from flashrecovery.records import Envelope, Stream, dump_record
+from flashrecovery.records import Stream
 
 SCHEMA_VERSION = 1
 DEFAULT_TIMEOUT_S = 30.0
@@ -120,6 +120,7 @@ class EmbeddedLog(LogConnector):
     """Append-only log in one SQLite file; a table per stream, one connection per thread."""
 
     def __init__(self, path: Path, *, timeout: float = DEFAULT_TIMEOUT_S, url: str = "") -> None:
+        super().__init__()
         self.path = path
         self.timeout = timeout
         self.url = url or f"{_PREFIX}{path}"
@@ -238,9 +239,6 @@ class EmbeddedLog(LogConnector):
                 raise LogError(f"log {self.url}: {exc}") from None
 
     # ------------------------------------------------------------ interface
-
-    def append(self, stream: Stream, record: Envelope) -> int:
-        return self.append_raw(stream, record.job_id, dump_record(record))
 
     def append_raw(self, stream: Stream, job_id: str, raw: bytes) -> int:
         table = Stream(stream).value

@@ -27,7 +27,7 @@ from kafka.partitioner.default import murmur2
 
 from flashrecovery.connectors.base import Entry, LogConnector
 from flashrecovery.errors import LogError
-from flashrecovery.records import Envelope, Stream, dump_record
+from flashrecovery.records import Stream
 
 ENV_PREFIX = "FLASHRECOVERY_KAFKA_"
 _NOT_CLIENT_ENV = {"CACHE"}  # FLASHRECOVERY_KAFKA_CACHE belongs to the broker runner
@@ -195,6 +195,7 @@ class KafkaLog(LogConnector):
     rather than created."""
 
     def __init__(self, url: str, settings: KafkaSettings, *, read_only: bool = False) -> None:
+        super().__init__()
         self.url = url
         self.settings = settings
         # KafkaConsumer is not thread-safe, and threads that follow different streams (engine,
@@ -254,9 +255,6 @@ class KafkaLog(LogConnector):
             self._partitions[topic] = sorted(found)
         partitions = self._partitions[topic]
         return partitions[(murmur2(key) & 0x7FFFFFFF) % len(partitions)]
-
-    def append(self, stream: Stream, record: Envelope) -> int:
-        return self.append_raw(stream, record.job_id, dump_record(record))
 
     def append_raw(self, stream: Stream, job_id: str, raw: bytes) -> int:
         topic, key = self.settings.topic(stream), job_id.encode()

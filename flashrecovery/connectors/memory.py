@@ -5,17 +5,15 @@ from __future__ import annotations
 import threading
 
 from flashrecovery.connectors.base import Entry, LogConnector
-from flashrecovery.records import Envelope, Stream, dump_record
+from flashrecovery.records import Stream
 
 
 class MemoryLog(LogConnector):
     def __init__(self, url: str = "memory://") -> None:
+        super().__init__()
         self.url = url
         self._entries: dict[Stream, list[tuple[str, bytes]]] = {s: [] for s in Stream}
         self._changed = threading.Condition()
-
-    def append(self, stream: Stream, record: Envelope) -> int:
-        return self.append_raw(stream, record.job_id, dump_record(record))
 
     def append_raw(self, stream: Stream, job_id: str, raw: bytes) -> int:
         with self._changed:

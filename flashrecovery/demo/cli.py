@@ -248,5 +248,6 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
             f"equal to reference {_yes(check['equal_to_reference'])}, "
             f"every loss equal {_yes(check['losses_equal'])})"
         )
+    console.print(f"timeline: {summary['timeline']}", markup=False, soft_wrap=True)
     console.print(f"inspect: {summary['commands']['events']}", markup=False, soft_wrap=True)
     console.print(f"replay:  {summary['commands']['replay']}", markup=False, soft_wrap=True)

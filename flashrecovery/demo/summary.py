@@ -2,6 +2,7 @@
 the kills the demo sent: detection time, RTO and its phases, steps lost and recomputed, whether
 survivors kept their processes, whether the loss curve is continuous, whether the replay
 reproduces every decision, and (with a reference run) whether the parameters are bitwise equal.
+It also draws the run's timeline (observe/plot.py) next to the log.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from flashrecovery.demo.job import JobSpec
 from flashrecovery.demo.results import read_results
 from flashrecovery.demo.watch import Kill
 from flashrecovery.engine.replay import replay_job
+from flashrecovery.observe.plot import plot_job
 from flashrecovery.records import (
     AssignSpare,
     IncidentClosed,
@@ -198,6 +200,7 @@ def summarize(
         "survivor_pids_unchanged": not unplanned and len(joined) == spec.nproc,
         "unplanned_pid_changes": unplanned,
         "loss_curve": loss_curve(per_rank, spec.nproc, spec.steps),
+        "timeline": str(plot_job(log, spec.job_id, spec.run_dir / "timeline.png")),
         "verify": None if reference is None else verify(log, spec, reference, per_rank),
         "commands": {
             "events": f"flashrecovery events --log {shlex.quote(spec.log_url)} --job {spec.job_id}",

@@ -106,3 +106,36 @@ def silent_spares(state: EngineState, now: float) -> list[SpareMissed]:
         and spare.last_heartbeat_ts is not None
         and now - spare.last_heartbeat_ts > limit
     ]
+
+
+Finding = HeartbeatMissed | StallSuspected | SpareMissed
+FindingKey = tuple[str, int, int, int | None, int]
+
+
+def finding_key(state: EngineState, record: Finding) -> FindingKey:
+    """A finding is reported once per process it is about (and a stall once per window it
+    lasts: suspect, then failed)."""
+    if isinstance(record, SpareMissed):
+        spare = state.spares[record.spare_id]
+        return (record.type, record.generation, spare.spare_id, spare.pid, 0)
+    windows = int(record.stalled_s // record.window_s) if isinstance(record, StallSuspected) else 0
+    view = state.ranks[record.rank]
+    return (record.type, record.generation, record.rank, view.pid, windows)
+
+
+def fresh_findings(
+    state: EngineState,
+    now: float,
+    reported: set[FindingKey],
+    *,
+    silence: bool = True,
+    stalls: bool = True,
+) -> list[Finding]:
+    """What the detectors find at ``now`` that was not reported yet (``silence``: missed
+    heartbeats of ranks and spares; ``stalls``: stalled ranks)."""
+    found: list[Finding] = [
+        *(silent_ranks(state, now) if silence else []),
+        *(stalled_ranks(state, now) if stalls else []),
+        *(silent_spares(state, now) if silence else []),
+    ]
+    return [record for record in found if finding_key(state, record) not in reported]

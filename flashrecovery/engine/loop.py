@@ -63,7 +63,7 @@ class EngineLoop:
         self._leading = False
         self._due: list[Decision] = []  # decided, not yet written (a standby keeps them)
         self._written: set[str] = set()
-        self._reported: set[tuple[str, int, int, int | None, int]] = set()
+        self._reported: set[detectors.FindingKey] = set()
         self._stop = threading.Event()
         self._events = StreamCursor(self.log, Stream.EVENTS, job_id, stop=self._stop)
         self._thread: threading.Thread | None = None
@@ -154,34 +154,12 @@ class EngineLoop:
             return []
         now = self.clock()
         found: list[Envelope] = []
-        findings: list[HeartbeatMissed | StallSuspected | SpareMissed] = [
-            *detectors.silent_ranks(self.state, now),
-            *detectors.stalled_ranks(self.state, now),
-            *detectors.silent_spares(self.state, now),
-        ]
-        for record in findings:
-            key = self._finding_key(record)
-            if key in self._reported:
-                continue
+        for record in detectors.fresh_findings(self.state, now, self._reported):
             self.log.append(Stream.EVENTS, record)
-            self._reported.add(key)
+            self._reported.add(detectors.finding_key(self.state, record))
             log.warning("detector", type=record.type, **key_fields(record))
             found.append(record)
         return found
-
-    def _finding_key(
-        self, record: HeartbeatMissed | StallSuspected | SpareMissed
-    ) -> tuple[str, int, int, int | None, int]:
-        """A finding is reported once per process it is about (and a stall once per window it
-        lasts: suspect, then failed)."""
-        if isinstance(record, SpareMissed):
-            spare = self.state.spares[record.spare_id]
-            return (record.type, record.generation, spare.spare_id, spare.pid, 0)
-        windows = (
-            int(record.stalled_s // record.window_s) if isinstance(record, StallSuspected) else 0
-        )
-        view = self.state.ranks[record.rank]
-        return (record.type, record.generation, record.rank, view.pid, windows)
 
     def step(self, timeout: float) -> int:
         self.claim()

@@ -9,7 +9,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from flashrecovery import terminal
+from flashrecovery.chain import ChainReport
 from flashrecovery.engine.replay import ReplayReport
+from flashrecovery.observe.whatif import Comparison
 
 
 def print_replay(report: ReplayReport, console: Console | None = None) -> None:
@@ -62,3 +64,65 @@ def print_replay(report: ReplayReport, console: Console | None = None) -> None:
                 f"RTO {inc['rto_s'] * 1000:.1f} ms, committed steps lost {inc['rpo_steps']}, "
                 f"steps recomputed {inc['recomputed_steps']}"
             )
+
+
+def print_chain(report: ChainReport, console: Console | None = None) -> None:
+    console = console or terminal.console()
+    seal = (
+        f"sealed at events position {report.seal_position} (seal hash {report.seal_hash})"
+        if report.sealed
+        else "not sealed (no final record names the chain heads)"
+    )
+    verdict = "[green]chain OK[/]" if report.ok else "[red]CHAIN BROKEN[/]"
+    console.print(
+        f"{verdict}: {report.records} records, {report.writers} writers, {seal}", highlight=False
+    )
+    if report.unchained:
+        console.print(f"{report.unchained} record(s) carry no chain link (older or foreign)")
+    if report.after_seal:
+        console.print(f"{report.after_seal} event(s) after the seal are not covered by it")
+    if report.first is not None:
+        console.print(
+            f"first break: {report.first.describe()} ({len(report.breaks)} in all)",
+            markup=False,
+            highlight=False,
+        )
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def print_what_if(comparison: Comparison, console: Console | None = None) -> None:
+    """The recorded run and the what-if run side by side: decisions, then incidents."""
+    console = console or terminal.console()
+    changes = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in comparison.changed.items())
+    console.print(f"[bold]what if[/] {changes or 'nothing changed'}", highlight=False)
+    if comparison.exact:
+        console.print("the what-if run makes exactly the recorded decisions")
+    decisions = Table(title="decisions (s since the job started)")
+    for column in ("#", "recorded at", "recorded", "", "what-if at", "what-if"):
+        decisions.add_column(column)
+    for i, row in enumerate(comparison.decision_rows()):
+        decisions.add_row(
+            str(i),
+            _seconds(row["recorded_at_s"]),
+            escape(row["recorded"] or "-"),
+            "" if row["same"] else "[red]≠[/]",
+            _seconds(row["what_if_at_s"]),
+            escape(row["what_if"] or "-"),
+        )
+    console.print(decisions)
+    incidents = Table(title="incidents (s)")
+    for column in ("rank", "cause", "detected at", "detection", "RTO", "note"):
+        incidents.add_column(column)
+    for row in comparison.incident_rows():
+        incidents.add_row(
+            str(row["failed_rank"]),
+            f"{row['recorded_cause'] or '-'} / {row['what_if_cause'] or '-'}",
+            f"{_seconds(row['recorded_detected_at_s'])} / {_seconds(row['what_if_detected_at_s'])}",
+            f"{_seconds(row['recorded_detection_s'])} / {_seconds(row['what_if_detection_s'])}",
+            f"{_seconds(row['recorded_rto_s'])} / {_seconds(row['what_if_rto_s'])}",
+            escape(row["note"]),
+        )
+    console.print(incidents, "(each cell: recorded / what-if)")

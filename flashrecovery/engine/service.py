@@ -15,6 +15,7 @@ import sys
 from flashrecovery.connectors import open_log
 from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.errors import LogError
+from flashrecovery.observe.exporter import MetricsServer, add_metrics_port
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,6 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--lease-ttl", type=float, default=3.0, help="seconds a lease lasts without renewal"
     )
     parser.add_argument("--engine-id", help="name of this engine in the lease records")
+    add_metrics_port(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -40,12 +42,25 @@ def run(args: argparse.Namespace) -> int:
         log, args.job, poll_s=args.poll, lease_ttl_s=args.lease_ttl, engine_id=args.engine_id
     )
     print(f"engine {loop.engine_id} serving job {args.job} on {args.log}", flush=True)
+    metrics = None
+    if args.metrics_port is not None:
+        try:
+            metrics = MetricsServer(
+                args.log, args.job, args.metrics_port, reader_position=lambda: loop.next_position
+            ).start()
+        except OSError as exc:
+            print(f"error: metrics port: {exc}", file=sys.stderr)
+            log.close()
+            return 2
+        print(f"metrics on {metrics.url}", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: loop.stop(timeout=0))
     try:
         loop.run()
     except KeyboardInterrupt:
         return 130
     finally:
+        if metrics is not None:
+            metrics.stop()
         log.close()
     print(f"job {args.job}: {loop.state.job.state}")
     return 0

@@ -91,6 +91,7 @@ def run_job(
     scenario: list[Scenario] | None = None,
     max_replacements: int = 3,
     spare_refill: str = "immediate",
+    metrics_port: int | None = None,
 ) -> JobResult:
     """Run the training script on ``nproc`` ranks; ``kill_at`` maps rank -> the step after whose
     commit (as the log shows it) the rank's process is SIGKILLed from outside; ``scenario``
@@ -113,6 +114,7 @@ def run_job(
             output_dir=tmp_path / "output",
             max_replacements=max_replacements,
             spare_refill=spare_refill,
+            metrics_port=metrics_port,
         )
     )
     result: dict[str, int] = {}

@@ -1,0 +1,285 @@
+"""Hash chains over a job's log, and the seal the job's last record puts on them.
+
+Several processes append to one stream at once (ranks, agent, engine, detectors), so one chain
+per stream would need every writer to agree on its head: a lock across processes and hosts that
+the log does not offer. The chain is therefore per *writer*: one log handle's records of one
+``source`` within one (job, stream). A writer keeps its head in memory and stamps each record
+with a ``ChainLink``: its writer id, its sequence number and the SHA-256 of the writer's
+previous record as stored. The writer's appends are serialized by a lock held across the
+append, so its records lie in the log in chain order.
+
+Changing a stored record changes its hash, which its writer's next record no longer names;
+losing a record leaves a gap in its writer's sequence numbers. The agent's JobFinished record
+seals the log: it names every writer's head (last sequence number and hash) and, per committed
+step, which ranks committed it, so a lost or changed final record of any writer is caught too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from flashrecovery.records import (
+    ChainHead,
+    ChainLink,
+    CommitRun,
+    Envelope,
+    JobFinished,
+    StepCompleted,
+    Stream,
+    dump_record,
+)
+
+if TYPE_CHECKING:
+    from flashrecovery.connectors.base import Entry, LogConnector
+
+Store = Callable[[Stream, str, bytes], int]  # (stream, job id, raw) -> position
+
+
+def digest(raw: bytes) -> str:
+    return hashlib.sha256(raw).hexdigest()
+
+
+@dataclass
+class _Head:
+    seq: int
+    hash: str
+
+
+class ChainWriter:
+    """The chain heads of one log handle in one process: one chain per (job, stream, source).
+    A process that forks gets new writer ids (two processes must never extend one chain)."""
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._reset()
+
+    def _reset(self) -> None:
+        self._pid = os.getpid()
+        self._token = secrets.token_hex(3)
+        self._heads: dict[tuple[str, Stream, str], _Head] = {}
+        self._locks: dict[tuple[str, Stream, str], threading.Lock] = {}
+
+    def _lock(self, key: tuple[str, Stream, str]) -> threading.Lock:
+        with self._guard:
+            if self._pid != os.getpid():
+                self._reset()
+            return self._locks.setdefault(key, threading.Lock())
+
+    def head(self, job_id: str, stream: Stream, source: str) -> str | None:
+        """The hash of the last record this handle stored for ``source`` (None: none yet)."""
+        head = self._heads.get((job_id, Stream(stream), source))
+        return head.hash if head else None
+
+    def append(self, stream: Stream, record: Envelope, store: Store) -> int:
+        """Link the record to its writer's head, store it, and advance the head once stored."""
+        key = (record.job_id, Stream(stream), record.source)
+        with self._lock(key):
+            head = self._heads.get(key)
+            link = ChainLink(
+                writer=f"{record.source}/{self._token}",
+                seq=head.seq + 1 if head else 0,
+                prev=head.hash if head else "",
+            )
+            raw = dump_record(record.model_copy(update={"chain": link}))
+            position = store(stream, record.job_id, raw)
+            self._heads[key] = _Head(link.seq, digest(raw))
+        return position
+
+
+# ------------------------------------------------------------------ verifying
+
+
+@dataclass(frozen=True)
+class Break:
+    """Where a writer's chain stops holding: ``position`` is the record that was changed (or
+    after which records were lost)."""
+
+    stream: Stream
+    position: int
+    writer: str
+    reason: str
+
+    def describe(self) -> str:
+        return f"{self.stream.value} position {self.position} (writer {self.writer}): {self.reason}"
+
+
+@dataclass
+class _Tip:
+    seq: int
+    hash: str
+    position: int
+
+
+@dataclass
+class ChainReport:
+    breaks: list[Break] = field(default_factory=list)
+    records: int = 0
+    unchained: int = 0  # records without a link (older logs, foreign writers)
+    writers: int = 0
+    sealed: bool = False  # a JobFinished record named the chain heads
+    seal_position: int | None = None
+    seal_hash: str | None = None  # compare with the one the agent printed at the end
+    after_seal: int = 0  # events appended after the seal (not covered by it)
+
+    @property
+    def ok(self) -> bool:
+        return not self.breaks
+
+    @property
+    def first(self) -> Break | None:
+        return min(self.breaks, key=lambda b: (b.position, b.stream.value), default=None)
+
+    def to_json(self) -> dict[str, Any]:
+        first = self.first
+        return {
+            "ok": self.ok,
+            "records": self.records,
+            "writers": self.writers,
+            "unchained": self.unchained,
+            "sealed": self.sealed,
+            "seal_position": self.seal_position,
+            "seal_hash": self.seal_hash,
+            "after_seal": self.after_seal,
+            "breaks": len(self.breaks),
+            "first_break": None
+            if first is None
+            else {
+                "stream": first.stream.value,
+                "position": first.position,
+                "writer": first.writer,
+                "reason": first.reason,
+            },
+        }
+
+
+def _tips(entries: Iterable[Entry]) -> dict[str, _Tip]:
+    """Each writer's last record in one stream's entries."""
+    out: dict[str, _Tip] = {}
+    for entry in entries:
+        link = entry.record.chain if entry.record is not None else None
+        if link is not None:
+            out[link.writer] = _Tip(link.seq, digest(entry.raw), entry.position)
+    return out
+
+
+def heads(streams: Mapping[Stream, list[Entry]]) -> list[ChainHead]:
+    """The seal's chain heads: every writer's last record on each stream."""
+    return [
+        ChainHead(stream=stream.value, writer=writer, seq=tip.seq, hash=tip.hash)
+        for stream, entries in streams.items()
+        for writer, tip in sorted(_tips(entries).items())
+    ]
+
+
+def commit_runs(events: Iterable[Entry]) -> list[CommitRun]:
+    """Which ranks committed each step, as runs of consecutive steps with the same ranks."""
+    by_step: dict[int, set[int]] = {}
+    for entry in events:
+        if isinstance(entry.record, StepCompleted):
+            by_step.setdefault(entry.record.step, set()).add(entry.record.rank)
+    runs: list[CommitRun] = []
+    for step in sorted(by_step):
+        ranks = sorted(by_step[step])
+        last = runs[-1] if runs else None
+        if last is not None and last.last_step == step - 1 and last.ranks == ranks:
+            runs[-1] = last.model_copy(update={"last_step": step})
+        else:
+            runs.append(CommitRun(first_step=step, last_step=step, ranks=ranks))
+    return runs
+
+
+def seal(log: LogConnector, job_id: str) -> dict[str, Any]:
+    """The fields of the JobFinished record that seal the job's log as it stands."""
+    streams = read_streams(log, job_id)
+    return {"chain_heads": heads(streams), "committed": commit_runs(streams[Stream.EVENTS])}
+
+
+def read_streams(log: LogConnector, job_id: str) -> dict[Stream, list[Entry]]:
+    return {stream: log.read(stream, job_id) for stream in Stream}
+
+
+def _check_stream(stream: Stream, entries: list[Entry], report: ChainReport) -> None:
+    seen: dict[str, _Tip] = {}
+    for entry in entries:
+        report.records += 1
+        link = entry.record.chain if entry.record is not None else None
+        if link is None:
+            report.unchained += 1
+            continue
+        tip = seen.get(link.writer)
+        problem: tuple[int, str] | None = None
+        if tip is None and (link.seq != 0 or link.prev):
+            problem = (entry.position, f"first record seen is seq {link.seq}: records lost before")
+        elif tip is not None and link.seq != tip.seq + 1:
+            problem = (
+                tip.position,
+                f"seq {tip.seq} is followed by seq {link.seq} at position "
+                f"{entry.position}: records lost or repeated between",
+            )
+        elif tip is not None and link.prev != tip.hash:
+            problem = (
+                tip.position,
+                f"its hash is not what the writer's next record (position "
+                f"{entry.position}) names: one of them was changed",
+            )
+        if problem is not None:
+            report.breaks.append(Break(stream, problem[0], link.writer, problem[1]))
+        seen[link.writer] = _Tip(link.seq, digest(entry.raw), entry.position)
+    report.writers += len(seen)
+
+
+def _check_seal(streams: Mapping[Stream, list[Entry]], report: ChainReport) -> None:
+    seal = next(
+        (
+            e
+            for e in reversed(streams[Stream.EVENTS])
+            if isinstance(e.record, JobFinished) and e.record.chain_heads
+        ),
+        None,
+    )
+    if seal is None or not isinstance(seal.record, JobFinished):
+        return
+    report.sealed, report.seal_position, report.seal_hash = True, seal.position, digest(seal.raw)
+    report.after_seal = sum(1 for e in streams[Stream.EVENTS] if e.position > seal.position)
+    for head in seal.record.chain_heads:
+        stream = Stream(head.stream)
+        records = {
+            e.record.chain.seq: e
+            for e in streams.get(stream, [])
+            if e.record is not None
+            and e.record.chain is not None
+            and e.record.chain.writer == head.writer
+        }
+        sealed = records.get(head.seq)
+        if sealed is None:
+            last = max(records, default=None)
+            where = records[last].position if last is not None else seal.position
+            report.breaks.append(
+                Break(
+                    stream,
+                    where,
+                    head.writer,
+                    f"the seal names seq {head.seq}, the log ends at seq {last}: records lost",
+                )
+            )
+        elif digest(sealed.raw) != head.hash:
+            report.breaks.append(
+                Break(
+                    stream, sealed.position, head.writer, "its hash is not the one the seal names"
+                )
+            )
+
+
+def verify(streams: Mapping[Stream, list[Entry]]) -> ChainReport:
+    """Check every writer's chain on both streams, then the seal if the job has one."""
+    report = ChainReport()
+    for stream, entries in streams.items():
+        _check_stream(stream, entries, report)
+    _check_seal(streams, report)
+    return report
