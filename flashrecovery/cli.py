@@ -17,7 +17,7 @@ COMMANDS: dict[str, str] = {
     "engine": "flashrecovery.engine.service",
     "demo": "flashrecovery.demo.cli",
     "events": "flashrecovery.inspect",
-    "replay": "flashrecovery.engine.replay",
+    "replay": "flashrecovery.engine.replay_command",
     "metrics": "flashrecovery.observe.exporter",
     "diagram": "flashrecovery.statemachines.diagram",
     "broker": "flashrecovery.connectors.kafka_broker",

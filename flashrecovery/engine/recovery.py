@@ -116,6 +116,7 @@ def _guard_tripped(ctx: Context, rank: int, error: str, incident: Incident) -> b
     for open_incident in state.open_incidents():
         ctx.fire(open_incident.machine, Trigger.FAIL)
     ctx.fire(state.job, Trigger.FAIL)
+    state.verdict = f"{verdict}; last error: {error}"
     return True
 
 

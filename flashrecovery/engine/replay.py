@@ -1,29 +1,19 @@
-"""Replay a job's log through the machines and check every recorded decision.
-
-`flashrecovery replay --log URL --job ID [--until POSITION] [--json] [--verify-chain]`: rebuild
-the state from the events, recompute the decisions each event causes, compare them with what the
-log recorded, and stop at the first divergence showing both records. Then tell the job's
-incidents: each phase's duration, the RTO and the steps lost. ``--verify-chain`` also checks the
-records' hash chains (flashrecovery/chain.py).
+"""The replayer: feed a job's recorded events through the pure engine again and check that
+it reproduces every recorded decision, stopping at the first divergence (both records kept).
+The report also tells the job's incidents: each phase's duration, the RTO and the steps lost.
+The `replay` command around it is engine/replay_command.py; its rendering, engine/report.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from flashrecovery.chain import read_streams
-from flashrecovery.chain import verify as verify_chains
-from flashrecovery.connectors import open_log
 from flashrecovery.connectors.base import LogConnector
 from flashrecovery.engine.ingest import ingest
 from flashrecovery.engine.recovery import phase_durations
 from flashrecovery.engine.state import EngineState
-from flashrecovery.errors import ConfigError, LogError
 from flashrecovery.records import Decision, IncidentClosed, Stream
 
 
@@ -91,6 +81,7 @@ class ReplayReport:
             },
             "pending": self.pending,
             "job_state": self.state.job.state,
+            "verdict": self.state.verdict,
             "generation": self.state.generation,
             "ranks": {r: v.machine.state for r, v in sorted(self.state.ranks.items())},
             "rejected": dict(self.state.rejected),
@@ -135,75 +126,3 @@ def replay_job(log: LogConnector, job_id: str, until: int | None = None) -> Repl
         position = min(stray)
         report.divergence = Divergence(position, _as_dict(recorded[position][0]), None)
     return report
-
-
-# ------------------------------------------------------------------ command line
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--log", required=True, help="log URL, e.g. sqlite://runs/JOB/log.db")
-    parser.add_argument("--job", required=True, help="job id")
-    parser.add_argument("--until", type=int, default=None, help="stop after this events position")
-    parser.add_argument("--json", action="store_true", help="print one JSON document")
-    parser.add_argument(
-        "--plot",
-        type=Path,
-        metavar="PNG",
-        help="draw the job's timeline (a lane per rank, host, spare and the engine) to this file",
-    )
-    parser.add_argument(
-        "--what-if",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="decide again with this setting changed (repeatable): heartbeat_interval, "
-        "missed_heartbeats, startup_grace, stall_factor, stall_floor, spares, max_replacements, "
-        "max_incidents; shows where detections and decisions differ and the RTO they imply",
-    )
-    parser.add_argument(
-        "--verify-chain",
-        action="store_true",
-        help="also check every writer's hash chain and the final record's seal; report the "
-        "first break (position, writer)",
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    from flashrecovery.engine.report import print_chain, print_replay, print_what_if
-    from flashrecovery.observe.whatif import compare, parse_settings
-
-    try:
-        settings = parse_settings(args.what_if)
-        with open_log(args.log, read_only=True) as log:
-            if args.job not in log.jobs():
-                raise LogError(f"job {args.job!r} has no records in {args.log}")
-            report = replay_job(log, args.job, args.until)
-            chain = verify_chains(read_streams(log, args.job)) if args.verify_chain else None
-            what_if = (
-                compare(args.job, log.read(Stream.EVENTS, args.job), settings)
-                if args.what_if
-                else None
-            )
-            if args.plot is not None:
-                from flashrecovery.observe.plot import plot_job  # matplotlib: only when asked
-
-                plot_job(log, args.job, args.plot, report)
-    except (LogError, ConfigError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args.json:
-        document = report.to_json()
-        if chain is not None:
-            document["chain"] = chain.to_json()
-        if what_if is not None:
-            document["what_if"] = what_if.to_json()
-        print(json.dumps(document, indent=2))
-    else:
-        print_replay(report)
-        if chain is not None:
-            print_chain(chain)
-        if what_if is not None:
-            print_what_if(what_if)
-    if args.plot is not None:
-        print(f"timeline: {args.plot}")
-    return 0 if report.ok and (chain is None or chain.ok) else 1

@@ -26,6 +26,8 @@ def print_replay(report: ReplayReport, console: Console | None = None) -> None:
     )
     if report.divergence is not None:
         console.print(report.divergence.describe(), markup=False)
+    if report.state.verdict is not None:
+        console.print(f"the engine failed the job: {report.state.verdict}", markup=False)
     if report.pending:
         console.print(
             f"{len(report.pending)} decision(s) due but not yet in the log (engine stopped?)"

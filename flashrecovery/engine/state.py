@@ -111,6 +111,7 @@ class EngineState:
     last_rejection: str = ""  # the newest reason, for the loop to report
     fenced: int = 0  # records of stale generations ignored
     engine_faults: list[str] = field(default_factory=list)  # the engine's own bugs, said aloud
+    verdict: str | None = None  # why the engine failed the job (FailJob), if it did
     failures: Counter[tuple[int, int]] = field(default_factory=Counter)  # (rank, step) -> count
     spares_lost_unready: int = 0  # spares that died before they were ready (a broken script)
     committed: StepIndex = field(default_factory=StepIndex)  # over the ranks that hold state

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,6 +37,24 @@ def test_a_crash_loop_fails_the_job_naming_rank_step_and_error(
     assert "rank 1 failed 3 times at committed step 4" in line and "bad batch" in line
     report = replay_job(job.log, job.job_id)
     assert report.ok and report.state.job.state == "failed"
+    assert report.state.verdict is not None and "bad batch" in report.state.verdict
+    shown = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flashrecovery.cli",
+            "replay",
+            "--log",
+            job.log.url,
+            "--job",
+            job.job_id,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert "the engine failed the job: rank 1 failed 3 times" in shown.stdout
 
 
 def test_a_script_that_cannot_start_ends_the_job(tmp_path: Path) -> None:
