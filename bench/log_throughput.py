@@ -30,8 +30,10 @@ from flashrecovery.records import Heartbeat, Stream
 
 RESULTS = Path(__file__).resolve().parent / "results" / "log_throughput.json"
 READ_BATCH = 1000
+BATCH = 500  # records per append_many in the batched phase
 LABELS = {
     "single_writer_append": "append, 1 writer",
+    "single_writer_batched": f"append_many ({BATCH} a batch), 1 writer",
     "writer_processes_append": "append, N processes",
     "read": f"read, pages of {READ_BATCH}",
     "follow_while_appending": "follow while appending",
@@ -69,6 +71,20 @@ def bench_single_writer(log: LogConnector, job_id: str, count: int) -> dict[str,
         latencies.append(time.perf_counter() - before)
     elapsed = time.perf_counter() - started
     return rates(count, elapsed, "append", latencies)
+
+
+def bench_single_writer_batched(log: LogConnector, job_id: str, count: int) -> dict[str, Any]:
+    """One writer that does not wait per record: batches of BATCH, one commit (or one wait for
+    the acknowledgements) each; the sample is a batch's latency."""
+    latencies = []
+    started = time.perf_counter()
+    for first in range(0, count, BATCH):
+        batch = [heartbeat(job_id, step) for step in range(first, min(first + BATCH, count))]
+        before = time.perf_counter()
+        log.append_many(Stream.EVENTS, batch)
+        latencies.append(time.perf_counter() - before)
+    elapsed = time.perf_counter() - started
+    return rates(count, elapsed, "batch", latencies)
 
 
 def _writer_process(
@@ -164,6 +180,9 @@ def run(url: str, records: int, writers: int) -> dict[str, Any]:
     with open_log(url) as log:
         results = {
             "single_writer_append": bench_single_writer(log, f"{tag}-single", records),
+            "single_writer_batched": bench_single_writer_batched(
+                log, f"{tag}-batched", records * 5
+            ),
             "writer_processes_append": bench_writer_processes(
                 url, f"{tag}-multi", writers, records
             ),

@@ -20,7 +20,8 @@ import hashlib
 import os
 import secrets
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from flashrecovery.connectors.base import Entry, LogConnector
 
 Store = Callable[[Stream, str, bytes], int]  # (stream, job id, raw) -> position
+StoreMany = Callable[[Stream, str, list[bytes]], list[int]]  # one durable batch -> positions
 
 
 def digest(raw: bytes) -> str:
@@ -64,6 +66,9 @@ class ChainWriter:
         self._token = secrets.token_hex(3)
         self._heads: dict[tuple[str, Stream, str], _Head] = {}
         self._locks: dict[tuple[str, Stream, str], threading.Lock] = {}
+        # A failed store may still have stored part of its batch (an acknowledgement lost on
+        # the way): the writer's chain then goes on under a new writer id instead of forking.
+        self._restarts: Counter[tuple[str, Stream, str]] = Counter()
 
     def _lock(self, key: tuple[str, Stream, str]) -> threading.Lock:
         with self._guard:
@@ -78,18 +83,51 @@ class ChainWriter:
 
     def append(self, stream: Stream, record: Envelope, store: Store) -> int:
         """Link the record to its writer's head, store it, and advance the head once stored."""
-        key = (record.job_id, Stream(stream), record.source)
-        with self._lock(key):
-            head = self._heads.get(key)
-            link = ChainLink(
-                writer=f"{record.source}/{self._token}",
-                seq=head.seq + 1 if head else 0,
-                prev=head.hash if head else "",
-            )
-            raw = dump_record(record.model_copy(update={"chain": link}))
-            position = store(stream, record.job_id, raw)
-            self._heads[key] = _Head(link.seq, digest(raw))
+        [position] = self.append_many(
+            stream, [record], lambda s, job, raws: [store(s, job, raw) for raw in raws]
+        )
         return position
+
+    def append_many(
+        self, stream: Stream, records: Sequence[Envelope], store: StoreMany
+    ) -> list[int]:
+        """Link a batch of one job's records in order (each writer's chain runs through it),
+        store it as one, and advance the heads once it is stored."""
+        job_ids = {record.job_id for record in records}
+        if len(job_ids) != 1:
+            raise ValueError(f"a batch holds the records of one job, not {sorted(job_ids)}")
+        stream = Stream(stream)
+        keys = sorted({(record.job_id, stream, record.source) for record in records})
+        locks = [self._lock(key) for key in keys]  # in one order: no two batches deadlock
+        for lock in locks:
+            lock.acquire()
+        try:
+            heads = {key: self._heads.get(key) for key in keys}
+            raws = []
+            for record in records:
+                key = (record.job_id, stream, record.source)
+                head = heads[key]
+                restart = f".{self._restarts[key]}" if self._restarts[key] else ""
+                link = ChainLink(
+                    writer=f"{record.source}/{self._token}{restart}",
+                    seq=head.seq + 1 if head else 0,
+                    prev=head.hash if head else "",
+                )
+                raw = dump_record(record.model_copy(update={"chain": link}))
+                raws.append(raw)
+                heads[key] = _Head(link.seq, digest(raw))
+            try:
+                positions = store(stream, records[0].job_id, raws)
+            except BaseException:
+                for key in keys:
+                    self._heads.pop(key, None)
+                    self._restarts[key] += 1
+                raise
+            self._heads.update({key: head for key, head in heads.items() if head is not None})
+        finally:
+            for lock in reversed(locks):
+                lock.release()
+        return positions
 
 
 # ------------------------------------------------------------------ verifying

@@ -15,6 +15,8 @@ from contextlib import contextmanager
 from multiprocessing.context import SpawnProcess
 from multiprocessing.synchronize import Event as MpEvent
 
+import pytest
+
 from flashrecovery.chain import verify as verify_chains
 from flashrecovery.connectors import Entry, LogConnector, open_log
 from flashrecovery.records import (
@@ -88,6 +90,22 @@ def test_append_returns_increasing_positions_and_read_returns_each_jobs_records(
         ]
         assert all(e.error is None for e in entries)
     assert log.read(EVENTS, "job-c") == []
+
+
+def test_a_batch_is_stored_in_order_between_single_appends_and_chained(log: LogConnector) -> None:
+    before = log.append(EVENTS, heartbeat("job", 0))
+    batch = [heartbeat("job", step, rank=step % 2) for step in range(1, 41)]
+    positions = log.append_many(EVENTS, batch)
+    after = log.append(EVENTS, heartbeat("job", 41))
+    assert_strictly_increasing([before, *positions, after])
+    entries = log.read(EVENTS, "job")
+    assert [e.position for e in entries] == [before, *positions, after]
+    assert records_of(entries)[1:-1] == batch
+    assert verify_chains({EVENTS: entries}).ok  # each writer's chain runs through the batch
+    assert log.append_many(EVENTS, []) == []
+    with pytest.raises(ValueError, match="one job"):
+        log.append_many(EVENTS, [heartbeat("job", 42), heartbeat("other", 42)])
+    assert len(log.read(EVENTS, "job")) == len(entries)  # the refused batch stored nothing
 
 
 def test_read_from_position_and_limit(log: LogConnector) -> None:

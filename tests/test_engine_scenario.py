@@ -11,7 +11,7 @@ from structlog.testing import capture_logs
 from flashrecovery.connectors.memory import MemoryLog
 from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.engine.replay import replay_job
-from flashrecovery.records import Decision, Envelope, RankExited, Stream
+from flashrecovery.records import Decision, RankExited, Stream
 
 JOB = "scripted"
 VOLATILE = {"schema_version", "record_id", "job_id", "source", "ts", "chain"}
@@ -201,18 +201,19 @@ def test_replay_until_rebuilds_the_state_as_it_stood() -> None:
 
 
 class CrashingLog(MemoryLog):
-    """A log whose engine dies after writing a given number of decisions."""
+    """A log whose engine dies after storing a given number of decisions (in the middle of a
+    batch, if that is where the count runs out)."""
 
     def __init__(self, decisions_before_crash: int) -> None:
         super().__init__()
         self.budget = decisions_before_crash
 
-    def append(self, stream: Stream, record: Envelope) -> int:
+    def append_raw(self, stream: Stream, job_id: str, raw: bytes) -> int:
         if stream == Stream.DECISIONS:
             if self.budget == 0:
                 raise RuntimeError("engine killed")
             self.budget -= 1
-        return super().append(stream, record)
+        return super().append_raw(stream, job_id, raw)
 
 
 # 1, 2: killed between the decisions of one event; 3: killed while planning the resume.

@@ -8,6 +8,7 @@ decision's ``caused_by`` and ``replay --until`` refer to.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from flashrecovery.chain import ChainWriter
@@ -44,6 +45,17 @@ class LogConnector(ABC):
     def append(self, stream: Stream, record: Envelope) -> int:
         """Store the record durably, linked into its writer's hash chain; return its position."""
         return self._chains.append(stream, record, self.append_raw)
+
+    def append_many(self, stream: Stream, records: Sequence[Envelope]) -> list[int]:
+        """Store one job's records durably as one batch (one commit, one acknowledgement: a
+        writer that need not wait per record asks for this); their positions, in order."""
+        if not records:
+            return []
+        return self._chains.append_many(stream, records, self.append_raw_many)
+
+    def append_raw_many(self, stream: Stream, job_id: str, raws: list[bytes]) -> list[int]:
+        """Store a batch of bytes; backends that can commit a batch at once override this."""
+        return [self.append_raw(stream, job_id, raw) for raw in raws]
 
     def chain_head(self, job_id: str, stream: Stream, source: str) -> str | None:
         """SHA-256 of the last record this handle appended for ``source`` in the job's stream."""

@@ -241,22 +241,29 @@ class EmbeddedLog(LogConnector):
     # ------------------------------------------------------------ interface
 
     def append_raw(self, stream: Stream, job_id: str, raw: bytes) -> int:
+        [position] = self.append_raw_many(stream, job_id, [raw])
+        return position
+
+    def append_raw_many(self, stream: Stream, job_id: str, raws: list[bytes]) -> list[int]:
+        """One transaction, so one fsync, for the whole batch."""
         table = Stream(stream).value
+        positions: list[int] = []
         with self._db() as db:
             db.execute("BEGIN IMMEDIATE")
             try:
-                cursor = db.execute(
-                    f"INSERT INTO {table} (job_id, raw) VALUES (?, ?)", (job_id, bytes(raw))
-                )
+                for raw in raws:
+                    cursor = db.execute(
+                        f"INSERT INTO {table} (job_id, raw) VALUES (?, ?)", (job_id, bytes(raw))
+                    )
+                    assert cursor.lastrowid is not None
+                    positions.append(cursor.lastrowid)
                 db.execute("INSERT OR IGNORE INTO jobs (job_id) VALUES (?)", (job_id,))
                 db.execute("COMMIT")
             except BaseException:
                 if db.in_transaction:
                     db.execute("ROLLBACK")
                 raise
-            position = cursor.lastrowid
-        assert position is not None
-        return position
+        return positions
 
     def read(
         self, stream: Stream, job_id: str, from_position: int = 0, limit: int | None = None

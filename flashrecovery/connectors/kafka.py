@@ -257,18 +257,27 @@ class KafkaLog(LogConnector):
         return partitions[(murmur2(key) & 0x7FFFFFFF) % len(partitions)]
 
     def append_raw(self, stream: Stream, job_id: str, raw: bytes) -> int:
+        [offset] = self.append_raw_many(stream, job_id, [raw])
+        return offset
+
+    def append_raw_many(self, stream: Stream, job_id: str, raws: list[bytes]) -> list[int]:
+        """Send the whole batch (the producer packs it into few requests, acks=all and
+        idempotent as ever), then wait once for every acknowledgement."""
         topic, key = self.settings.topic(stream), job_id.encode()
         if self._producer is None:
             raise LogError(f"log {redact(self.url)} was opened read-only")
         with self._failing(f"appending to {topic}"):
-            future = self._producer.send(
-                topic, value=bytes(raw), key=key, partition=self._partition(topic, key)
-            )
+            partition = self._partition(topic, key)
+            futures = [
+                self._producer.send(topic, value=bytes(raw), key=key, partition=partition)
+                for raw in raws
+            ]
+            if len(futures) > 1:
+                self._producer.flush()  # no linger: the batch goes out now
             # The producer settles every send within its delivery timeout: wait that long so
             # the answer is final (a give-up earlier could be stored later and then retried).
-            metadata = future.get(timeout=self._producer.config["delivery_timeout_ms"] / 1000 + 5)
-        offset: int = metadata.offset
-        return offset
+            wait_s = self._producer.config["delivery_timeout_ms"] / 1000 + 5
+            return [int(future.get(timeout=wait_s).offset) for future in futures]
 
     def read(
         self, stream: Stream, job_id: str, from_position: int = 0, limit: int | None = None
