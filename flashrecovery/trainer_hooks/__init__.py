@@ -16,7 +16,7 @@ from flashrecovery.errors import (
     ReplacedError,
 )
 from flashrecovery.trainer_hooks.faults import InjectedFault
-from flashrecovery.trainer_hooks.session import Session, Stateful, init
+from flashrecovery.trainer_hooks.session import Session, Stateful, init, init_process_group
 
 __all__ = [
     "FallbackRequired",
@@ -28,4 +28,5 @@ __all__ = [
     "Session",
     "Stateful",
     "init",
+    "init_process_group",
 ]

@@ -22,9 +22,10 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from flashrecovery.connectors import open_log
-from flashrecovery.errors import ProtocolError, ReplacedError
+from flashrecovery.errors import ConfigError, ProtocolError, ReplacedError
 from flashrecovery.records import (
     CollectiveError,
     Envelope,
@@ -40,7 +41,7 @@ from flashrecovery.records import (
     StepCompleted,
     Stream,
 )
-from flashrecovery.trainer_hooks import barrier, groups, rng, transfer, vote
+from flashrecovery.trainer_hooks import barrier, ddp, groups, rng, stable_group, transfer, vote
 from flashrecovery.trainer_hooks.decisions import DecisionFollower
 from flashrecovery.trainer_hooks.env import LaunchEnv
 from flashrecovery.trainer_hooks.gradients import ReducedGradients
@@ -87,13 +88,15 @@ class Session:
         self._release_lock = threading.Lock()
         # The wait in progress that only a newer generation cuts short, and how to cut it.
         self._release: tuple[int, Callable[[dist.Store], object]] | None = None
+        # The user's process groups (DDP, FSDP2, DeviceMesh): rebuilt under them per generation.
+        self._stable = stable_group.StableGroups("cuda" if torch.cuda.is_available() else "cpu")
         self._follower = DecisionFollower(self._log, env.job_id, self._on_regroup)
         self._heartbeat = HeartbeatThread(self._log, env.heartbeat_interval_s, self._beat)
         self._follower.start()
         self._heartbeat.start()
         try:
             if env.role == "rank" and not env.replacement and self._barrier(0, "members"):
-                self._group = groups.build(self._store, 0, self.rank, env.world_size)
+                self._form(0)
                 self._append(
                     RankJoined, rank=self.rank, pid=self._pid, host=self._host, shard=SHARD
                 )
@@ -136,15 +139,45 @@ class Session:
         warmup: Callable[[], object] | None = None,
     ) -> None:
         """Hand over what defines the training state (build it identically on every rank:
-        seed first). A spare pays its first-time costs here, then reports ready."""
+        seed first). A spare not yet assigned pays its first-time costs here, then reports
+        ready. A model wrapped in DDP is given its final bucket order now (ddp.py)."""
         self._model, self._optimizer, self._extras = model, optimizer, dict(extras or {})
-        if self._env.role == "spare":
+        ddp.settle_buckets(model)
+        if self._rank is None:
             if warmup is not None:
                 warmup()
                 model.zero_grad(set_to_none=True)
-            assert self._env.spare_id is not None
-            self._append(SpareReady, spare_id=self._env.spare_id, pid=self._pid, host=self._host)
-            self._spare_ready = True
+            self._report_ready()
+
+    def process_group(self) -> dist.ProcessGroup:
+        """The world process group for the user's DDP or FSDP2 (torch's default group, so
+        ``dist.get_rank()`` and friends work): it stays valid across generations. A hot spare
+        waits here until it is given a rank."""
+        if not dist.is_initialized():
+            if self._rank is None:
+                self._report_ready()
+                self._await_assignment()
+            stable_group.register(self._stable)
+            dist.init_process_group(
+                stable_group.BACKEND,
+                store=dist.PrefixStore("torch/", self._store),
+                rank=self.rank,
+                world_size=self.world_size,
+            )
+        elif not self._stable.in_use:
+            raise ConfigError(
+                "torch.distributed is already initialized: let session.process_group() (or "
+                "flashrecovery's init_process_group()) create the default group"
+            )
+        world = dist.group.WORLD
+        assert world is not None
+        return world
+
+    def device_mesh(self, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+        """A DeviceMesh over the stable groups (for FSDP2 / HSDP), e.g. ``((2, 2),
+        ("replicate", "shard"))``: valid across generations like ``process_group()``."""
+        self.process_group()
+        return init_device_mesh(self._stable.device, shape, mesh_dim_names=names)
 
     def steps(self, total: int) -> Iterator[int]:
         """Yield the steps to compute, 0..total-1; after a recovery, the step after the one
@@ -153,8 +186,8 @@ class Session:
             raise RuntimeError("call session.register(model, optimizer) before session.steps()")
         if self._rank is None:
             self._await_assignment()
-        elif self._group is None:
-            self._rejoin(self._generation)  # a fresh replacement, or generation 0 never formed
+        if self._group is None:
+            self._rejoin(self._generation)  # a replacement, or generation 0 never formed
         while self._committed_step + 1 < total:
             step = self._committed_step + 1
             self._open_step, self._step_started = step, time.perf_counter()
@@ -165,8 +198,10 @@ class Session:
 
     def commit(self, loss: float | None = None) -> bool:
         """Average the gradients over the members and step the optimizer if every member
-        commits this step. On a peer failure, recover (regroup, restore) and return False:
-        ``steps()`` then yields the step to recompute."""
+        commits this step; with the user's own parallelism (``process_group()``: DDP or FSDP
+        reduced the gradients) only vote, and the caller steps its optimizer when this returns
+        True. On a peer failure, recover (regroup, restore) and return False: ``steps()`` then
+        yields the step to recompute."""
         step, self._open_step = self._open_step, None
         if step is None:
             raise RuntimeError("session.commit() outside a step of session.steps()")
@@ -174,23 +209,30 @@ class Session:
         fault = self._env.fault
         if fault is not None:
             fault.check("before_reduce", step)
-        params = [p for p in self._model.parameters() if p.requires_grad]
         self._waiting = True  # heartbeats now say: held up by the peers, if anyone
         try:
-            reduced = ReducedGradients.reduce(self._group, params)
+            reduced = None
+            if not self._stable.in_use:
+                params = [p for p in self._model.parameters() if p.requires_grad]
+                reduced = ReducedGradients.reduce(self._group, params)
             if fault is not None:
                 fault.check("after_reduce", step)
+            failure = self._stable.error()  # a collective of the user's failed this step
         except RuntimeError as exc:  # a peer vanished: gloo fails within milliseconds
-            self._append(CollectiveError, rank=self.rank, step=step, error=str(exc)[:500])
-            verdict = vote.Verdict.ABORTED
-        else:
-            verdict = self._vote(step)
+            failure = str(exc)
+        try:
+            if failure is not None:
+                self._append(CollectiveError, rank=self.rank, step=step, error=failure[:500])
+                verdict = vote.Verdict.ABORTED
+            else:
+                verdict = self._vote(step)
         finally:
             self._waiting = False
         if verdict is vote.Verdict.COMMITTED:
-            reduced.apply(self.world_size)
-            self._optimizer.step()
-            self._optimizer.zero_grad(set_to_none=True)
+            if reduced is not None:
+                reduced.apply(self.world_size)
+                self._optimizer.step()
+                self._optimizer.zero_grad(set_to_none=True)
             self._committed_step = step
             self._append(
                 StepCompleted,
@@ -273,8 +315,14 @@ class Session:
 
     # ------------------------------------------------------------------ recovery
 
+    def _report_ready(self) -> None:
+        if not self._spare_ready:
+            assert self._env.spare_id is not None
+            self._append(SpareReady, spare_id=self._env.spare_id, pid=self._pid, host=self._host)
+            self._spare_ready = True
+
     def _await_assignment(self) -> None:
-        """Block until the agent hands this spare a rank (``spare/{id}``), then join."""
+        """Block until the agent hands this spare a rank and generation (``spare/{id}``)."""
         key = f"spare/{self._env.spare_id}"
         while True:
             try:
@@ -284,7 +332,7 @@ class Session:
                 continue  # still idle; an orphaned spare is ended by the decisions thread
         assignment = json.loads(self._store.get(key))
         self._rank = int(assignment["rank"])
-        self._rejoin(int(assignment["generation"]))
+        self._generation = int(assignment["generation"])
 
     def _recover(self) -> None:
         """A survivor's path: leave the broken generation and join the one the engine plans."""
@@ -300,7 +348,7 @@ class Session:
             self._generation = generation
             try:
                 if self._barrier(generation, "members"):
-                    self._group = groups.build(self._store, generation, self.rank, self.world_size)
+                    self._form(generation)
                     self._append(
                         RankRegrouped,
                         rank=self.rank,
@@ -370,7 +418,13 @@ class Session:
         rng.restore(state["rng"])
         self._committed_step = int(state["committed_step"])
 
+    def _form(self, generation: int) -> None:
+        """Build the generation's groups: the hook's own, then the user's stable ones."""
+        self._group = groups.build(self._store, generation, self.rank, self.world_size)
+        self._stable.attach(self._store, generation)
+
     def _drop_group(self) -> None:
+        self._stable.detach()
         group, self._group = self._group, None
         if group is not None:
             groups.drop(group)
@@ -408,3 +462,12 @@ class Session:
 def init() -> Session:
     """Join the job `flashrecovery run` started this process for (read from the environment)."""
     return Session(LaunchEnv.from_environ())
+
+
+def init_process_group() -> Session:
+    """``init()`` plus the stable default process group, in place of
+    ``torch.distributed.init_process_group``: DDP and FSDP2 use it as they would their own. A
+    hot spare returns from here once it is given a rank."""
+    session = init()
+    session.process_group()
+    return session

@@ -1,5 +1,7 @@
 """Training script of the live tests: a small MLP with dropout and AdamW on data keyed by
-(step, rank), so a run's final parameters depend only on the seed, never on failures."""
+(step, rank), so a run's final parameters depend only on the seed, never on failures. With
+``--parallel ddp`` the model is wrapped once in torch DDP over the session's stable group and
+the script steps its own optimizer."""
 
 from __future__ import annotations
 
@@ -46,15 +48,20 @@ def main() -> None:
         help="before STEP, wait until --hold-file exists (a test's gate; heartbeats go on)",
     )
     parser.add_argument("--hold-file", type=Path, default=None)
+    parser.add_argument("--parallel", choices=("hook", "ddp"), default="hook")
     args = parser.parse_args()
     raise_rank, _, raise_step = (args.raise_at or "-1@-1").partition("@")
 
     torch.set_num_threads(1)
     session = init()
+    if args.parallel == "ddp":
+        session.process_group()  # a hot spare waits here for its rank
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(32, 1)
     )
+    if args.parallel == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     def warmup() -> None:
@@ -72,7 +79,9 @@ def main() -> None:
             loss = F.mse_loss(model(x), y)
             loss.backward()
             time.sleep(args.step_time)
-            session.commit(loss=loss.item())
+            if session.commit(loss=loss.item()) and args.parallel == "ddp":
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
         params = torch.cat([t.detach().reshape(-1) for t in model.state_dict().values()])
         torch.save({"params": params, "pid": os.getpid()}, args.out / f"rank{session.rank}.pt")
     # Skip the interpreter's teardown: torch's takes seconds here, and the suite runs on 2 cores.

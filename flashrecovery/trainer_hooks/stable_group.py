@@ -1,0 +1,275 @@
+"""Process groups that outlive a generation: the user's DDP, FSDP2 or DeviceMesh holds one
+``StableGroup`` for the whole job, and the session rebuilds the gloo (CPU) or NCCL (CUDA)
+group underneath it for each new generation, so a model is wrapped once and never re-wrapped.
+
+A peer's failure can surface in any collective of a step (DDP's bucket all-reduce, FSDP's
+all-gather or reduce-scatter), inside user code that must not see an exception. So the first
+failure is recorded, every later collective of the generation returns at once with its outputs
+untouched, and ``commit()`` finds the error and aborts the step, which is then recomputed.
+
+Until the process has joined a generation (a replacement builds and wraps its model before it
+receives its state) the group is *local*: an all-gather fills every slot with this rank's
+tensor (what DDP's shape check expects of identical replicas), every other collective leaves
+its tensors as they are. Whatever that computes is overwritten by the state transfer.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from flashrecovery.trainer_hooks import groups
+
+BACKEND = "flashrecovery"
+
+# The collectives torch's ProcessGroup offers, by how a local (or failed) call fills its outputs.
+_GATHER_LISTS = ("allgather", "allgather_coalesced")  # (outputs: [[T]], inputs: [T], opts)
+_GATHER_FLAT = ("_allgather_base", "all_gather_single")  # (output, input, opts)
+_GATHER_FLAT_COALESCED = ("allgather_into_tensor_coalesced",)  # (outputs: [T], inputs: [T], opts)
+_LEAVE_AS_IS = (
+    "allreduce",
+    "allreduce_coalesced",
+    "broadcast",
+    "reduce",
+    "barrier",
+    "reduce_scatter",
+    "_reduce_scatter_base",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor_coalesced",
+    "alltoall",
+    "alltoall_base",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+    "send",
+    "recv",
+)
+
+
+def _gather_flat(output: torch.Tensor, tensor: torch.Tensor, size: int) -> None:
+    output.view(-1).copy_(tensor.reshape(-1).repeat(size))
+
+
+def _outputs(args: Sequence[Any]) -> list[Any]:
+    """What a collective's future holds: its first argument's tensors."""
+    first = args[0] if args else None
+    if isinstance(first, torch.Tensor):
+        return [first]
+    return list(first) if isinstance(first, list) else []
+
+
+def _local_outputs(op: str, args: Sequence[Any], size: int) -> list[Any]:
+    """Fill the outputs of ``op`` as if every peer held this rank's tensors."""
+    if op in _GATHER_LISTS:
+        for outputs, tensor in zip(args[0], args[1], strict=True):
+            for output in outputs:
+                output.copy_(tensor)
+    elif op in _GATHER_FLAT:
+        _gather_flat(args[0], args[1], size)
+    elif op in _GATHER_FLAT_COALESCED:
+        for output, tensor in zip(args[0], args[1], strict=True):
+            _gather_flat(output, tensor, size)
+    return _outputs(args)
+
+
+class _DoneWork(dist.Work):
+    """A collective that completed locally (or was skipped after a failure)."""
+
+    def __init__(self, result: list[Any]) -> None:
+        super().__init__()
+        self._result = result
+
+    def wait(self, timeout: object = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        future: torch.futures.Future[Any] = torch.futures.Future()
+        future.set_result(self._result)
+        return future
+
+
+class _GuardedWork(dist.Work):
+    """A collective in flight whose failure is recorded on the group instead of raised.
+
+    It lets go of torch's work once finished: a gloo work keeps its generation's connections
+    open, and peers blocked in that generation are released only when they close."""
+
+    def __init__(self, work: dist.Work, result: list[Any], fail: Callable[[str], None]) -> None:
+        super().__init__()
+        self._work: dist.Work | None = work
+        self._result, self._fail = result, fail
+
+    def wait(self, timeout: object = None) -> bool:
+        work, self._work = self._work, None
+        if work is not None:
+            try:
+                work.wait()
+            except RuntimeError as exc:  # torch's collective errors, DistError included
+                self._fail(str(exc))
+        return True
+
+    def is_completed(self) -> bool:
+        return self._work is None or bool(self._work.is_completed())
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        result, fail = self._result, self._fail
+
+        def settle(future: torch.futures.Future[Any]) -> Any:
+            try:
+                return future.value()
+            except RuntimeError as exc:
+                fail(str(exc))
+                return result
+
+        if self._work is None:
+            return _DoneWork(result).get_future()
+        return self._work.get_future().then(settle)
+
+
+class StableGroup(dist.ProcessGroup):
+    """One process group of the user's (the world, or a DeviceMesh dimension), stable for the
+    whole job; its members are fixed, its backend belongs to one generation at a time."""
+
+    def __init__(self, name: str, rank: int, size: int, device: str) -> None:
+        super().__init__(rank, size)
+        self._name, self._desc, self._device = name, name, device
+        self._lock = threading.Lock()
+        self._inner: groups.Group | None = None
+        # The first failure's message: never the exception, whose traceback would keep a
+        # gloo work, and with it the generation's connections, alive.
+        self._error: str | None = None
+
+    # ------------------------------------------------------------------ generations
+
+    def attach(self, store: dist.Store, generation: int) -> None:
+        """Build this group's backend for ``generation`` (every member must call it)."""
+        self.detach()
+        scope = f"pg/{self._name}/"
+        inner = groups.build(store, generation, self.rank(), self.size(), scope, self._device)
+        with self._lock:
+            self._inner, self._error = inner, None
+
+    def detach(self) -> None:
+        """Drop the backend (its connections close at once): the group is local until the next
+        ``attach``."""
+        with self._lock:
+            inner, self._inner, self._error = self._inner, None, None
+        if inner is not None:
+            groups.drop(inner)
+
+    def fail(self, error: str) -> None:
+        """Record the first failure of the generation; later collectives return at once."""
+        with self._lock:
+            if self._error is None:
+                self._error = error
+                inner = self._inner
+            else:
+                inner = None
+        if inner is not None:
+            groups.abort(inner)
+
+    @property
+    def error(self) -> str | None:
+        with self._lock:
+            return self._error
+
+    # ------------------------------------------------------------------ collectives
+
+    def _run(self, op: str, args: Sequence[Any]) -> dist.Work:
+        with self._lock:
+            inner = None if self._error is not None else self._inner
+        if inner is None:
+            return _DoneWork(_local_outputs(op, args, self.size()))
+        try:
+            work = getattr(inner, op)(*args)
+        except RuntimeError as exc:
+            self.fail(str(exc))
+            return _DoneWork(_local_outputs(op, args, self.size()))
+        return _GuardedWork(work, _outputs(args), self.fail)
+
+    # ------------------------------------------------------------------ naming (DeviceMesh)
+
+    def _set_group_name(self, name: str) -> None:
+        self._name = name
+
+    @property
+    def group_name(self) -> str:  # type: ignore[override]
+        return self._name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._desc = desc
+
+    @property
+    def group_desc(self) -> str:
+        return self._desc
+
+
+def _collective(op: str) -> Callable[..., dist.Work]:
+    def call(self: StableGroup, *args: Any) -> dist.Work:
+        return self._run(op, args)
+
+    call.__name__ = op
+    return call
+
+
+for _op in (*_GATHER_LISTS, *_GATHER_FLAT, *_GATHER_FLAT_COALESCED, *_LEAVE_AS_IS):
+    setattr(StableGroup, _op, _collective(_op))
+
+
+class StableGroups:
+    """Every stable group of this process, in creation order (the order every rank builds
+    them in), and the generation they are attached to."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device  # "cuda" (NCCL underneath) or "cpu" (gloo)
+        self._groups: list[StableGroup] = []
+        self._formed: tuple[dist.Store, int] | None = None
+
+    @property
+    def in_use(self) -> bool:
+        return bool(self._groups)
+
+    def create(self, options: Any, _backend_options: object = None) -> StableGroup:
+        """torch's backend creator (``dist.Backend.register_backend(..., extended_api=True)``):
+        a new group joins the current generation at once if this process is in one."""
+        group = StableGroup(
+            str(options.group_id), options.group_rank, options.group_size, self.device
+        )
+        self._groups.append(group)
+        if self._formed is not None:
+            try:
+                group.attach(*self._formed)
+            except RuntimeError as exc:  # a member failed meanwhile: the step will abort
+                group.fail(str(exc))
+        return group
+
+    def attach(self, store: dist.Store, generation: int) -> None:
+        self._formed = (store, generation)
+        for group in self._groups:
+            group.attach(store, generation)
+
+    def detach(self) -> None:
+        self._formed = None
+        for group in self._groups:
+            group.detach()
+
+    def error(self) -> str | None:
+        for group in self._groups:
+            if group.error is not None:
+                return group.error
+        return None
+
+
+def register(stable: StableGroups) -> None:
+    """Make ``BACKEND`` a torch distributed backend whose groups are ``stable``'s (once per
+    process: torch keeps one default group)."""
+    dist.Backend.register_backend(
+        BACKEND, stable.create, extended_api=True, devices=["cpu", "cuda"]
+    )

@@ -1,0 +1,55 @@
+"""Live recovery of a model wrapped once in torch DDP over the session's stable process group:
+a rank is SIGKILLed, the survivors keep their processes and their DDP wrapper, the group is
+rebuilt underneath it, and the job ends bitwise equal to a fault-free DDP run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from livejob import run_job
+from test_live_recovery import assert_lossless, assert_survivors_kept
+
+pytestmark = pytest.mark.timeout(240)
+
+DDP = ["--parallel", "ddp"]
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> torch.Tensor:
+    job = run_job(tmp_path_factory.mktemp("ddp-reference"), script_args=DDP)
+    assert job.exit_code == 0
+    assert job.records(type="collective_error") == []
+    params: torch.Tensor = job.final(0)["params"]
+    return params
+
+
+def test_ddp_kill_with_hot_spare(tmp_path: Path, ddp_reference: torch.Tensor) -> None:
+    job = run_job(tmp_path, spares=1, kill_at={1: 8}, script_args=DDP)
+    assert_lossless(job, ddp_reference, incidents=1)
+    assert_survivors_kept(job, failed={1})
+    activated = job.records(type="spare_activated")
+    assert [(a.rank, a.spare_id) for a in activated] == [(1, 0)]
+    assert job.final(1)["pid"] == activated[0].pid
+    # The survivors learnt of the loss inside DDP's all-reduce, not from an exception.
+    assert {e.rank for e in job.records(type="collective_error")} <= {0, 2}
+
+
+def test_ddp_kill_without_spare(tmp_path: Path, ddp_reference: torch.Tensor) -> None:
+    job = run_job(tmp_path, spares=0, kill_at={2: 8}, script_args=DDP)
+    assert_lossless(job, ddp_reference, incidents=1)
+    assert_survivors_kept(job, failed={2})
+    spawned = job.records(type="replacement_spawned")
+    assert [s.rank for s in spawned] == [2]
+    assert job.final(2)["pid"] == spawned[0].pid
+
+
+def test_ddp_kill_between_reduce_and_vote(tmp_path: Path, ddp_reference: torch.Tensor) -> None:
+    """DDP's all-reduce succeeded everywhere, then a rank dies before its vote: the step
+    must not commit for anyone (the survivors' optimizers never step on it)."""
+    job = run_job(tmp_path, spares=1, faults={0: "after_reduce@8"}, script_args=DDP)
+    assert_lossless(job, ddp_reference, incidents=1)
+    assert_survivors_kept(job, failed={0})
+    committed = {r.step for r in job.records(type="step_completed") if r.generation == 0}
+    assert max(committed) == 7
