@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import json
 import os
 import socket
@@ -17,8 +18,8 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -47,12 +48,15 @@ from flashrecovery.trainer_hooks.env import LaunchEnv
 from flashrecovery.trainer_hooks.gradients import ReducedGradients
 from flashrecovery.trainer_hooks.groups import Group
 from flashrecovery.trainer_hooks.heartbeat import HeartbeatThread
+from flashrecovery.trainer_hooks.position import DataPosition
 
 RECOVERY_TIMEOUT_S = 120.0  # longest wait for the engine's next recovery decision
 # An idle spare re-arms its wait this often (each expiry logs a c10d warning, hence long); it
 # never outlives its agent: the decisions thread ends an orphan.
 SPARE_WAIT = datetime.timedelta(minutes=10)
 SHARD = 0  # every rank is a data-parallel replica of the one shard
+
+T = TypeVar("T")
 
 
 class Stateful(Protocol):
@@ -85,6 +89,8 @@ class Session:
         self._step_started = 0.0
         self._spare_ready = False  # an idle spare heartbeats once it has said it is ready
         self._rng_at_step: dict[str, Any] = {}
+        self._restored_rng: dict[str, Any] | None = None  # the donor's, from the next step on
+        self._position = DataPosition()
         self._release_lock = threading.Lock()
         # The wait in progress that only a newer generation cuts short, and how to cut it.
         self._release: tuple[int, Callable[[dist.Store], object]] | None = None
@@ -141,7 +147,8 @@ class Session:
         """Hand over what defines the training state (build it identically on every rank:
         seed first). A spare not yet assigned pays its first-time costs here, then reports
         ready. A model wrapped in DDP is given its final bucket order now (ddp.py)."""
-        self._model, self._optimizer, self._extras = model, optimizer, dict(extras or {})
+        self._model, self._optimizer = model, optimizer
+        self._extras = {**(extras or {}), "flashrecovery.data": self._position}
         ddp.settle_buckets(model)
         if self._rank is None:
             if warmup is not None:
@@ -182,19 +189,61 @@ class Session:
     def steps(self, total: int) -> Iterator[int]:
         """Yield the steps to compute, 0..total-1; after a recovery, the step after the one
         every member has committed. A spare blocks here until it is assigned a rank."""
+        self._join()
+        while self._committed_step + 1 < total:
+            yield self._begin_step()
+            self._end_step()
+
+    def epochs(self, total: int) -> Iterator[int]:
+        """Yield the epochs to run, ``0..total-1``, from the one the job is in: a replacement
+        receives its state here and resumes its donor's epoch. Use with ``batches()``."""
+        self._join()
+        while self._position.epoch < total:
+            yield self._position.epoch
+            self._position.next_epoch()
+
+    def batches(self, loader: Iterable[T]) -> Iterator[T]:
+        """Yield the loader's batches of this epoch as steps, from the data position on: each
+        batch until its step is committed, so a step aborted by a failure is recomputed with
+        the same batch. A replacement skips the batches its donor had committed."""
+        self._join()
+        start = self._position.batch
+        for index, batch in enumerate(itertools.islice(loader, start, None), start):
+            while self._position.batch == index:
+                self._begin_step()
+                yield batch
+                self._end_step()
+                if self._position.batch not in (index, index + 1):
+                    raise ProtocolError(
+                        f"rank {self.rank} was restored to batch {self._position.batch} of "
+                        f"epoch {self._position.epoch} while at batch {index}"
+                    )
+
+    def _join(self) -> None:
+        """Take part in the job's current generation: a spare waits for its rank, a
+        replacement receives its state (at most once)."""
         if self._model is None:
-            raise RuntimeError("call session.register(model, optimizer) before session.steps()")
+            raise RuntimeError("call session.register(model, optimizer) before training")
         if self._rank is None:
             self._await_assignment()
         if self._group is None:
             self._rejoin(self._generation)  # a replacement, or generation 0 never formed
-        while self._committed_step + 1 < total:
-            step = self._committed_step + 1
-            self._open_step, self._step_started = step, time.perf_counter()
-            self._rng_at_step = rng.capture()
-            yield step
-            if self._open_step is not None:
-                raise RuntimeError(f"step {step}: call session.commit() once per step")
+
+    def _begin_step(self) -> int:
+        """Start a step; its random state is captured so that an aborted attempt is recomputed
+        with the same randomness. A restored rank takes its donor's random state here, once it
+        has fetched the step's batch itself, as the donor had."""
+        if self._restored_rng is not None:
+            rng.restore(self._restored_rng)
+            self._restored_rng = None
+        step = self._committed_step + 1
+        self._open_step, self._step_started = step, time.perf_counter()
+        self._rng_at_step = rng.capture()
+        return step
+
+    def _end_step(self) -> None:
+        if self._open_step is not None:
+            raise RuntimeError(f"step {self._open_step}: call session.commit() once per step")
 
     def commit(self, loss: float | None = None) -> bool:
         """Average the gradients over the members and step the optimizer if every member
@@ -234,6 +283,7 @@ class Session:
                 self._optimizer.step()
                 self._optimizer.zero_grad(set_to_none=True)
             self._committed_step = step
+            self._position.batch += 1
             self._append(
                 StepCompleted,
                 rank=self.rank,
@@ -333,6 +383,8 @@ class Session:
         assignment = json.loads(self._store.get(key))
         self._rank = int(assignment["rank"])
         self._generation = int(assignment["generation"])
+        # What the script would have had as a rank (one node: the local rank is the rank).
+        os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(self._rank)
 
     def _recover(self) -> None:
         """A survivor's path: leave the broken generation and join the one the engine plans."""
@@ -415,7 +467,7 @@ class Session:
         self._optimizer.load_state_dict(state["optimizer"])
         for name, obj in self._extras.items():
             obj.load_state_dict(state["extras"][name])
-        rng.restore(state["rng"])
+        self._restored_rng = state["rng"]
         self._committed_step = int(state["committed_step"])
 
     def _form(self, generation: int) -> None:

@@ -23,6 +23,7 @@ from flashrecovery.connectors import LogConnector, open_log
 from flashrecovery.records import Envelope, Stream
 
 SCRIPT = Path(__file__).parent.parent / "scripts" / "train_mlp.py"
+EXAMPLES = Path(__file__).parent.parent.parent / "examples"
 WORLD = 3
 STEPS = 30
 STEP_TIME_S = 0.02  # simulated compute, so that a kill lands at a known step
@@ -98,7 +99,9 @@ def run_job(
     steps run in order as the events arrive."""
     out = tmp_path / "out"
     out.mkdir()
-    args = ["--steps", str(STEPS), "--out", str(out), "--step-time", str(step_time_s)]
+    args = ["--out", str(out), "--step-time", str(step_time_s)]
+    if script == SCRIPT:  # an example script has its own length (STEPS steps too)
+        args += ["--steps", str(STEPS)]
     agent = Agent(
         AgentConfig(
             script=script,

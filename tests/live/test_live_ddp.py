@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from livejob import run_job
+from livejob import EXAMPLES, STEPS, run_job
 from test_live_recovery import assert_lossless, assert_survivors_kept
 
 pytestmark = pytest.mark.timeout(240)
@@ -53,3 +53,29 @@ def test_ddp_kill_between_reduce_and_vote(tmp_path: Path, ddp_reference: torch.T
     assert_survivors_kept(job, failed={0})
     committed = {r.step for r in job.records(type="step_completed") if r.generation == 0}
     assert max(committed) == 7
+
+
+# examples/train_ddp.py: an ordinary DDP loop over a DataLoader with a DistributedSampler, 3
+# epochs of 10 batches per rank (STEPS steps in all).
+EXAMPLE = EXAMPLES / "train_ddp.py"
+
+
+@pytest.fixture(scope="module")
+def loader_reference(tmp_path_factory: pytest.TempPathFactory) -> torch.Tensor:
+    job = run_job(tmp_path_factory.mktemp("loader-reference"), script=EXAMPLE)
+    assert job.exit_code == 0
+    params: torch.Tensor = job.final(0)["params"]
+    return params
+
+
+@pytest.mark.parametrize(("spares", "kill_step"), [(1, 12), (0, 19)])
+def test_ddp_example_resumes_its_data_position(
+    tmp_path: Path, loader_reference: torch.Tensor, spares: int, kill_step: int
+) -> None:
+    """Killed mid-epoch (epoch 1, batch 2; epoch 1, batch 9: the last of the epoch), the
+    replacement resumes the donor's epoch at its next batch and skips the ones committed."""
+    job = run_job(tmp_path, spares=spares, kill_at={1: kill_step}, script=EXAMPLE)
+    assert_lossless(job, loader_reference, incidents=1)
+    assert_survivors_kept(job, failed={1})
+    steps = sorted({r.step for r in job.records(type="step_completed")})
+    assert steps == list(range(STEPS))
