@@ -2,9 +2,11 @@
 
     python bench/overhead.py [--worlds 2 4] [--steps 60] [--quick]
 
-The hook side is the demo's training script under `flashrecovery run` (no spare, no fault): its
-commit averages the gradients, votes through the store and appends a StepCompleted record, and a
-heartbeat thread runs beside it. The baseline is the same model wrapped in
+Two hook sides, each the demo's training script under `flashrecovery run` (no spare, no fault):
+"hook", whose commit averages the gradients itself, and "hook+DDP", the model wrapped in torch
+DDP over the session's stable process group (DDP's buckets overlap the backward), whose commit
+only votes. Both vote through the store, append a StepCompleted record and run a heartbeat
+thread beside the loop. The baseline is the same model wrapped in
 DistributedDataParallel on gloo, started with torch.multiprocessing on a TCPStore of its own.
 Both time each step commit to commit and drop the first ``WARMUP`` steps. Results go to
 bench/results/overhead.json, a table and bench/results/overhead.png. It measures, it asserts
@@ -18,6 +20,8 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -44,8 +48,10 @@ def step_times(results: dict[int, RankResult]) -> list[float]:
     return [t for r in results.values() for t in r.step_times_s[WARMUP:]]
 
 
-def hook_run(world: int, steps: int, out: Path, timeout: float) -> list[float]:
-    spec = job_spec(out.name, out.parent, nproc=world, spares=0, steps=steps)
+def hook_run(world: int, steps: int, out: Path, timeout: float, parallel: str) -> list[float]:
+    spec = replace(
+        job_spec(out.name, out.parent, nproc=world, spares=0, steps=steps), parallel=parallel
+    )
     with LaunchedJob(spec) as job:
         code = job.wait(timeout)
         if code != 0:
@@ -78,7 +84,7 @@ def ddp_worker(rank: int, world: int, port: int, steps: int, out: str) -> None:
     result.write(Path(out))
 
 
-def ddp_run(world: int, steps: int, out: Path, timeout: float) -> list[float]:
+def ddp_run(world: int, steps: int, out: Path, timeout: float, parallel: str) -> list[float]:
     store = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, timeout=STORE_TIMEOUT, wait_for_workers=False
     )
@@ -100,6 +106,14 @@ def ddp_run(world: int, steps: int, out: Path, timeout: float) -> list[float]:
                 process.kill()
             process.join(5)
     return step_times(read_results(out, world))
+
+
+# side -> how it runs and its demo --parallel value
+SIDES: dict[str, tuple[Callable[[int, int, Path, float, str], list[float]], str]] = {
+    "ddp": (ddp_run, "ddp"),
+    "hook": (hook_run, "hook"),
+    "hook+DDP": (hook_run, "ddp"),
+}
 
 
 def stats(times: list[float]) -> dict[str, Any]:
@@ -125,40 +139,37 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="flashrecovery-overhead-") as tmp:
         for world in args.worlds:
-            console.print(f"{world} ranks: DDP and the hook, {args.repeats} runs of each …")
-            times: dict[str, list[float]] = {"ddp": [], "hook": []}
-            for repeat in range(args.repeats):  # alternate, so a busy spell hits both sides
-                order = [("ddp", ddp_run), ("hook", hook_run)][:: 1 if repeat % 2 == 0 else -1]
-                for side, runner in order:
+            console.print(f"{world} ranks: {', '.join(SIDES)}, {args.repeats} runs of each …")
+            times: dict[str, list[float]] = {side: [] for side in SIDES}
+            for repeat in range(args.repeats):  # rotate, so a busy spell hits every side
+                names, shift = list(SIDES), repeat % len(SIDES)
+                for side in names[shift:] + names[:shift]:
+                    runner, parallel = SIDES[side]
                     out = Path(tmp) / f"{side}-{world}-{repeat}"
-                    times[side] += runner(world, args.steps, out, args.timeout)
-            ddp, hook = stats(times["ddp"]), stats(times["hook"])
-            overhead = hook["median_ms"] - ddp["median_ms"]
-            rows.append(
-                {
-                    "world_size": world,
-                    "ddp": ddp,
-                    "hook": hook,
-                    "overhead_ms": overhead,
-                    "overhead_pct": 100 * overhead / ddp["median_ms"],
-                }
-            )
+                    times[side] += runner(world, args.steps, out, args.timeout, parallel)
+            row: dict[str, Any] = {"world_size": world}
+            for side in SIDES:
+                row[side] = stats(times[side])
+                overhead = row[side]["median_ms"] - row["ddp"]["median_ms"]
+                row[f"{side}_overhead_ms"] = overhead
+                row[f"{side}_overhead_pct"] = 100 * overhead / row["ddp"]["median_ms"]
+            rows.append(row)
     settings = {"steps": args.steps, "warmup_steps": WARMUP, "repeats": args.repeats}
     path = write_json("overhead", {"machine": machine(), "settings": settings, "worlds": rows})
     console.print(
         table(
             "step time, ms (steady state, every rank's steps)",
-            ["ranks", "DDP median", "DDP p90", "hook median", "hook p90", "overhead"],
+            ["ranks", "side", "median", "p90", "overhead vs DDP"],
             [
                 [
                     str(r["world_size"]),
-                    f"{r['ddp']['median_ms']:.1f}",
-                    f"{r['ddp']['p90_ms']:.1f}",
-                    f"{r['hook']['median_ms']:.1f}",
-                    f"{r['hook']['p90_ms']:.1f}",
-                    f"{r['overhead_ms']:+.1f} ({r['overhead_pct']:+.0f}%)",
+                    side,
+                    f"{r[side]['median_ms']:.1f}",
+                    f"{r[side]['p90_ms']:.1f}",
+                    f"{r[f'{side}_overhead_ms']:+.1f} ({r[f'{side}_overhead_pct']:+.0f}%)",
                 ]
                 for r in rows
+                for side in SIDES
             ],
         )
     )
@@ -166,8 +177,8 @@ def main() -> None:
         "overhead",
         "median step time: plain DDP vs the flashrecovery hook",
         "ms",
-        [f"{r['world_size']} ranks\n{side}" for r in rows for side in ("DDP", "hook")],
-        {"median step": [r[side]["median_ms"] for r in rows for side in ("ddp", "hook")]},
+        [f"{r['world_size']} ranks\n{side}" for r in rows for side in SIDES],
+        {"median step": [r[side]["median_ms"] for r in rows for side in SIDES]},
     )
     console.print(f"written {path} and {plot}")
 

@@ -25,7 +25,7 @@ from rich.table import Table
 from rich.text import Text
 
 from flashrecovery.connectors import open_log
-from flashrecovery.demo.job import JobSpec, LaunchedJob
+from flashrecovery.demo.job import PARALLEL, JobSpec, LaunchedJob
 from flashrecovery.demo.summary import summarize
 from flashrecovery.demo.watch import JobWatch, Kill, Killer, follow
 from flashrecovery.errors import LogError
@@ -61,6 +61,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--timeout", type=float, default=600.0, help="give up on a run after this many seconds"
+    )
+    parser.add_argument(
+        "--parallel",
+        choices=PARALLEL,
+        default="hook",
+        help="who reduces the gradients: the hook (default) or torch DDP on the stable group",
     )
 
 
@@ -139,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
         steps=args.steps,
         seed=args.seed,
         min_step_s=args.min_step_s,
+        parallel=args.parallel,
     )
     reference = (
         JobSpec(
@@ -149,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
             spares=0,
             steps=args.steps,
             seed=args.seed,
+            parallel=args.parallel,
         )
         if args.verify
         else None

@@ -20,6 +20,7 @@ import psutil
 
 TRAIN_SCRIPT = Path(__file__).resolve().with_name("train.py")  # by path: no torch import here
 STOP_GRACE_S = 5.0
+PARALLEL = ("hook", "ddp")  # who reduces the gradients (train.py --parallel)
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class JobSpec:
     seed: int = 0
     min_step_s: float = 0.0
     agent_args: tuple[str, ...] = ()  # more `flashrecovery run` options
+    parallel: str = "hook"  # who reduces the gradients: the hook, or torch DDP (train.py)
 
     def command(self) -> list[str]:
         return [
@@ -58,6 +60,8 @@ class JobSpec:
             str(self.seed),
             "--min-step-s",
             str(self.min_step_s),
+            "--parallel",
+            self.parallel,
         ]
 
     @property

@@ -2,7 +2,9 @@
 
 A plain loop over the trainer hook: build the model, register it, train over the steps the
 session yields (after a recovery it resumes after the committed step), and leave the final
-parameters' digest, the losses and the step times in ``<run-dir>/rank<k>.json``.
+parameters' digest, the losses and the step times in ``<run-dir>/rank<k>.json``. With
+``--parallel ddp`` the model is wrapped in torch DDP over the session's stable process group,
+which reduces the gradients, and the script steps its optimizer on a committed step.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import time
 from pathlib import Path
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LambdaLR
 
 from flashrecovery.demo.data import BLOCK_SIZE, batch_for, vocabulary
-from flashrecovery.demo.model import GPTConfig, TinyGPT, parameters_sha256
+from flashrecovery.demo.job import PARALLEL
+from flashrecovery.demo.model import GPTConfig, TinyGPT, lm_loss, parameters_sha256
 from flashrecovery.demo.results import RankResult
 from flashrecovery.trainer_hooks import init
 
@@ -52,19 +56,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=0.0,
         help="pad each step to this wall time (before the commit) so a human can watch",
     )
+    parser.add_argument("--parallel", choices=PARALLEL, default="hook")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     session = init()
+    ddp = args.parallel == "ddp"
+    if ddp:
+        session.process_group()  # a hot spare waits here until it has a rank
     model, optimizer, schedule = build(args.seed)
+    forward = DistributedDataParallel(model) if ddp else model
 
     def warmup() -> None:  # a spare's first forward/backward, paid before it is needed
         x, y = batch_for(0, 0, session.world_size)
         model.loss(x, y).backward()  # every step starts by clearing the gradients
 
-    session.register(model, optimizer, extras={"lr_schedule": schedule}, warmup=warmup)
+    session.register(forward, optimizer, extras={"lr_schedule": schedule}, warmup=warmup)
     losses: dict[int, float] = {}
     step_times: list[float] = []  # commit to commit: the hook's own work between steps counts
     last = time.perf_counter()
@@ -72,13 +81,15 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         x, y = batch_for(step, session.rank, session.world_size)
-        loss = model.loss(x, y)
+        loss = lm_loss(forward(x), y)
         loss.backward()
         time.sleep(max(0.0, args.min_step_s - (time.perf_counter() - started)))
         value = loss.item()
         committed = session.commit(loss=value)
         now = time.perf_counter()
         if committed:
+            if ddp:
+                optimizer.step()
             schedule.step()
             losses[step] = value
             step_times.append(now - last)
