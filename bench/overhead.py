@@ -3,7 +3,7 @@
     python bench/overhead.py [--worlds 2 4] [--steps 60] [--quick]
 
 Two hook sides, each the demo's training script under `flashrecovery run` (no spare, no fault):
-"hook", whose commit averages the gradients itself, and "hook+DDP", the model wrapped in torch
+"hook", whose commit averages the gradients itself, and "hook-ddp", the model wrapped in torch
 DDP over the session's stable process group (DDP's buckets overlap the backward), whose commit
 only votes. Both vote through the store, append a StepCompleted record and run a heartbeat
 thread beside the loop. The baseline is the same model wrapped in
@@ -112,7 +112,7 @@ def ddp_run(world: int, steps: int, out: Path, timeout: float, parallel: str) ->
 SIDES: dict[str, tuple[Callable[[int, int, Path, float, str], list[float]], str]] = {
     "ddp": (ddp_run, "ddp"),
     "hook": (hook_run, "hook"),
-    "hook+DDP": (hook_run, "ddp"),
+    "hook-ddp": (hook_run, "ddp"),
 }
 
 

@@ -35,6 +35,7 @@ class AgentConfig:
     max_incidents: int | None = None  # incidents recovered at most (None: no bound)
     spare_refill: str = "immediate"  # or "after-recovery": when a taken spare is replaced
     metrics_port: int | None = None  # serve Prometheus metrics here (0: any free port)
+    shards: int = 1  # model shards: rank r holds shard r % shards (a mesh's last dimension)
 
     def resolved(self) -> AgentConfig:
         """The config with defaults filled in and every argument checked (ConfigError)."""
@@ -52,6 +53,10 @@ class AgentConfig:
             raise ConfigError(f"--stall-timeout must be positive, got {self.stall_floor_s}")
         if self.max_replacements < 1:
             raise ConfigError(f"--max-replacements must be at least 1, got {self.max_replacements}")
+        if self.shards < 1 or self.nproc % self.shards:
+            raise ConfigError(
+                f"--shards must divide --nproc-per-node {self.nproc}, got {self.shards}"
+            )
         if self.max_incidents is not None and self.max_incidents < 1:
             raise ConfigError(f"--max-incidents must be at least 1, got {self.max_incidents}")
         if self.spare_refill not in SPARE_REFILL:

@@ -84,6 +84,7 @@ class Agent:
                 stall_floor_s=config.stall_floor_s,
                 max_replacements=config.max_replacements,
                 max_incidents=config.max_incidents,
+                shards=config.shards,
             )
         )
         engine = None if config.external_engine else EngineLoop(self.log_url, self.job_id).start()
@@ -213,6 +214,7 @@ class Agent:
             "FLASHRECOVERY_JOB_ID": self.job_id,
             "FLASHRECOVERY_LOG": self.log_url,
             "FLASHRECOVERY_HEARTBEAT_INTERVAL": str(self.config.heartbeat_interval_s),
+            "FLASHRECOVERY_SHARDS": str(self.config.shards),
         }
 
     def _on_exit(self, child: Child, code: int) -> None:

@@ -51,6 +51,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "loop; a rank that never reaches its first step fails at step -1) (default 3)",
     )
     parser.add_argument(
+        "--shards",
+        type=int,
+        default=1,
+        metavar="S",
+        help="model shards (HSDP: the mesh's shard dimension); rank r holds shard r %% S, "
+        "the ranks of one shard are its replicas (default 1: pure data parallel)",
+    )
+    parser.add_argument(
         "--max-incidents",
         type=int,
         default=None,
@@ -113,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
                 output_dir=args.output_dir,
                 max_replacements=args.max_replacements,
                 max_incidents=args.max_incidents,
+                shards=args.shards,
                 spare_refill=args.spare_refill,
                 metrics_port=args.metrics_port,
             )

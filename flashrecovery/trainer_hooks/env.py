@@ -25,6 +25,7 @@ class LaunchEnv:
     generation: int
     replacement: bool
     fault: Fault | None
+    shards: int = 1  # rank r holds model shard r % shards
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> LaunchEnv:
@@ -56,6 +57,7 @@ class LaunchEnv:
                 spare_id=int(need("FLASHRECOVERY_SPARE_ID")) if role == "spare" else None,
                 generation=int(env.get("FLASHRECOVERY_GENERATION", "0")),
                 replacement=env.get("FLASHRECOVERY_REPLACEMENT") == "1",
+                shards=int(env.get("FLASHRECOVERY_SHARDS", "1")),
                 fault=Fault.parse(env["FLASHRECOVERY_FAULT"])
                 if env.get("FLASHRECOVERY_FAULT")
                 else None,

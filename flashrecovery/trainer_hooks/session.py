@@ -54,7 +54,6 @@ RECOVERY_TIMEOUT_S = 120.0  # longest wait for the engine's next recovery decisi
 # An idle spare re-arms its wait this often (each expiry logs a c10d warning, hence long); it
 # never outlives its agent: the decisions thread ends an orphan.
 SPARE_WAIT = datetime.timedelta(minutes=10)
-SHARD = 0  # every rank is a data-parallel replica of the one shard
 
 T = TypeVar("T")
 
@@ -91,6 +90,7 @@ class Session:
         self._rng_at_step: dict[str, Any] = {}
         self._restored_rng: dict[str, Any] | None = None  # the donor's, from the next step on
         self._position = DataPosition()
+        self._mesh: DeviceMesh | None = None  # the user's, for the DTensors of a transfer
         self._release_lock = threading.Lock()
         # The wait in progress that only a newer generation cuts short, and how to cut it.
         self._release: tuple[int, Callable[[dist.Store], object]] | None = None
@@ -104,7 +104,11 @@ class Session:
             if env.role == "rank" and not env.replacement and self._barrier(0, "members"):
                 self._form(0)
                 self._append(
-                    RankJoined, rank=self.rank, pid=self._pid, host=self._host, shard=SHARD
+                    RankJoined,
+                    rank=self.rank,
+                    pid=self._pid,
+                    host=self._host,
+                    shard=self._shard_of(self.rank),
                 )
         except BaseException:
             self._close()  # no thread or connection outlives a session that never started
@@ -183,8 +187,14 @@ class Session:
     def device_mesh(self, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
         """A DeviceMesh over the stable groups (for FSDP2 / HSDP), e.g. ``((2, 2),
         ("replicate", "shard"))``: valid across generations like ``process_group()``."""
+        if shape[-1] != self._env.shards:
+            raise ConfigError(
+                f"the mesh's last (shard) dimension is {shape[-1]}, the job was started with "
+                f"--shards {self._env.shards}"
+            )
         self.process_group()
-        return init_device_mesh(self._stable.device, shape, mesh_dim_names=names)
+        self._mesh = init_device_mesh(self._stable.device, shape, mesh_dim_names=names)
+        return self._mesh
 
     def steps(self, total: int) -> Iterator[int]:
         """Yield the steps to compute, 0..total-1; after a recovery, the step after the one
@@ -405,7 +415,7 @@ class Session:
                         RankRegrouped,
                         rank=self.rank,
                         committed_step=self._committed_step,
-                        shard=SHARD,
+                        shard=self._shard_of(self.rank),
                         pid=self._pid,
                     )
                     plan = self._follower.wait_resume(generation, RECOVERY_TIMEOUT_S)
@@ -427,16 +437,24 @@ class Session:
                 barrier.supersede(self._store, key)
             return barrier.wait(self._store, key, self.world_size, groups.COLLECTIVE_TIMEOUT)
 
+    def _shard_of(self, rank: int) -> int:
+        """The model shard a rank holds: its coordinate on the mesh's last (shard) dimension."""
+        return rank % self._env.shards
+
     def _restore(self, plan: ResumePlanned) -> None:
+        """Each shard's donor sends its own shard's state (DTensor local shards only) to that
+        shard's recipients; donors of different shards send at the same time."""
         assert self._group is not None
-        donor = plan.donors[SHARD]
+        shard = self._shard_of(self.rank)
+        donor = plan.donors[shard]
         if self.rank == donor:
             state = self._state()
             for recipient in plan.recipients:
-                transfer.send(self._group, recipient, state)
+                if self._shard_of(recipient) == shard:
+                    transfer.send(self._group, recipient, state)
         elif self.rank in plan.recipients:
             started = time.perf_counter()
-            state, size = transfer.recv(self._group, donor)
+            state, size = transfer.recv(self._group, donor, self._mesh)
             self._load(state)
             self._append(
                 StateTransferred,
@@ -495,8 +513,14 @@ class Session:
             if not self._spare_ready or self._env.spare_id is None:
                 return None
             return SpareHeartbeat(**self._envelope(), spare_id=self._env.spare_id, pid=self._pid)
+        envelope = self._envelope()
+        if self._group is None:
+            # Not in a group yet: an assigned spare building its model (with the user's own
+            # parallelism that is after its assignment) or a rank regrouping. It is on its way
+            # to the newest generation; a newer plan must not fence it as silent.
+            envelope["generation"] = max(self._generation, self._follower.latest_generation)
         return Heartbeat(
-            **self._envelope(),
+            **envelope,
             rank=self._rank,
             step=self._committed_step,
             pid=self._pid,

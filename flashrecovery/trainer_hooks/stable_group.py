@@ -15,6 +15,7 @@ its tensors as they are. Whatever that computes is overwritten by the state tran
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,9 +23,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flashrecovery.trainer_hooks import groups
+from flashrecovery.trainer_hooks.groups import COLLECTIVE_TIMEOUT
 
 BACKEND = "flashrecovery"
+GLOO, NCCL = dist.ProcessGroup.BackendType.GLOO, dist.ProcessGroup.BackendType.NCCL
 
 # The collectives torch's ProcessGroup offers, by how a local (or failed) call fills its outputs.
 _GATHER_LISTS = ("allgather", "allgather_coalesced")  # (outputs: [[T]], inputs: [T], opts)
@@ -133,6 +135,25 @@ class _GuardedWork(dist.Work):
         return self._work.get_future().then(settle)
 
 
+def _generation_group(
+    store: dist.Store, generation: int, name: str, rank: int, size: int, device: str
+) -> dist.ProcessGroup:
+    """Rendezvous with the group's members in ``generation`` under ``gen/{g}/pg/{name}/``: a
+    torch ProcessGroup (every collective of its API) over gloo, plus NCCL for CUDA tensors."""
+    prefixed = dist.PrefixStore(f"gen/{generation}/pg/{name}/", store)
+    group = dist.ProcessGroup(prefixed, rank, size)
+    gloo = dist.ProcessGroupGloo(prefixed, rank, size, COLLECTIVE_TIMEOUT)
+    group._register_backend(torch.device("cpu"), GLOO, gloo)
+    group._set_default_backend(GLOO)
+    if device == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = COLLECTIVE_TIMEOUT
+        nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", prefixed), rank, size, options)
+        group._register_backend(torch.device("cuda"), NCCL, nccl)
+        group._set_default_backend(NCCL)
+    return group
+
+
 class StableGroup(dist.ProcessGroup):
     """One process group of the user's (the world, or a DeviceMesh dimension), stable for the
     whole job; its members are fixed, its backend belongs to one generation at a time."""
@@ -141,7 +162,7 @@ class StableGroup(dist.ProcessGroup):
         super().__init__(rank, size)
         self._name, self._desc, self._device = name, name, device
         self._lock = threading.Lock()
-        self._inner: groups.Group | None = None
+        self._inner: dist.ProcessGroup | None = None
         # The first failure's message: never the exception, whose traceback would keep a
         # gloo work, and with it the generation's connections, alive.
         self._error: str | None = None
@@ -151,18 +172,18 @@ class StableGroup(dist.ProcessGroup):
     def attach(self, store: dist.Store, generation: int) -> None:
         """Build this group's backend for ``generation`` (every member must call it)."""
         self.detach()
-        scope = f"pg/{self._name}/"
-        inner = groups.build(store, generation, self.rank(), self.size(), scope, self._device)
+        inner = _generation_group(
+            store, generation, self._name, self.rank(), self.size(), self._device
+        )
         with self._lock:
             self._inner, self._error = inner, None
 
     def detach(self) -> None:
-        """Drop the backend (its connections close at once): the group is local until the next
-        ``attach``."""
+        """Let go of the backend: its connections close once nothing holds it (gloo's
+        ``shutdown()`` leaves them open), which releases peers still blocked in it. The group is
+        local until the next ``attach``."""
         with self._lock:
-            inner, self._inner, self._error = self._inner, None, None
-        if inner is not None:
-            groups.drop(inner)
+            self._inner, self._error = None, None
 
     def fail(self, error: str) -> None:
         """Record the first failure of the generation; later collectives return at once."""
@@ -172,8 +193,11 @@ class StableGroup(dist.ProcessGroup):
                 inner = self._inner
             else:
                 inner = None
-        if inner is not None:
-            groups.abort(inner)
+        if inner is not None and self._device == "cuda":
+            # NCCL would wait for its timeout: abort the communicators (callable from any
+            # thread). Gloo needs nothing: a dead peer's closed sockets fail its operations.
+            with contextlib.suppress(RuntimeError):
+                inner.abort()
 
     @property
     def error(self) -> str | None:

@@ -93,6 +93,7 @@ def run_job(
     max_replacements: int = 3,
     spare_refill: str = "immediate",
     metrics_port: int | None = None,
+    shards: int = 1,
 ) -> JobResult:
     """Run the training script on ``nproc`` ranks; ``kill_at`` maps rank -> the step after whose
     commit (as the log shows it) the rank's process is SIGKILLed from outside; ``scenario``
@@ -118,6 +119,7 @@ def run_job(
             max_replacements=max_replacements,
             spare_refill=spare_refill,
             metrics_port=metrics_port,
+            shards=shards,
         )
     )
     result: dict[str, int] = {}

@@ -14,9 +14,11 @@ from flashrecovery.engine.replay import replay_job
 pytestmark = pytest.mark.timeout(240)
 
 
-def assert_lossless(job: JobResult, reference: torch.Tensor, incidents: int) -> None:
+def assert_lossless(
+    job: JobResult, reference: torch.Tensor, incidents: int, world: int = WORLD
+) -> None:
     assert job.exit_code == 0, job.records(type="job_finished")
-    for rank in range(WORLD):
+    for rank in range(world):
         assert torch.equal(job.final(rank)["params"], reference), f"rank {rank} diverged"
     closed = job.decisions("incident_closed")
     assert len(closed) == incidents
@@ -27,10 +29,10 @@ def assert_lossless(job: JobResult, reference: torch.Tensor, incidents: int) -> 
     assert report.ok, report.divergence and report.divergence.describe()
 
 
-def assert_survivors_kept(job: JobResult, failed: set[int]) -> None:
+def assert_survivors_kept(job: JobResult, failed: set[int], world: int = WORLD) -> None:
     """Healthy ranks never restart: the process that joined is the one that finished."""
     joined = {r.rank: r.pid for r in job.records(type="rank_joined")}
-    for rank in set(range(WORLD)) - failed:
+    for rank in set(range(world)) - failed:
         assert job.final(rank)["pid"] == joined[rank]
     for rank in failed:
         assert job.final(rank)["pid"] != joined[rank]

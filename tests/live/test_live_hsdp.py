@@ -1,0 +1,54 @@
+"""Live recovery of HSDP (FSDP2 ``fully_shard`` on a 2 replicas x 2 shards DeviceMesh, 4 CPU
+ranks, gloo): a lost rank is restored from the same shard of the other replica, only that
+shard's state moves, ranks of different shards lost together are restored in parallel from
+different donors, and the job ends bitwise equal to a fault-free run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from livejob import EXAMPLES, run_job
+from test_live_recovery import assert_lossless, assert_survivors_kept
+
+pytestmark = pytest.mark.timeout(300)
+
+HSDP = {"script": EXAMPLES / "train_hsdp.py", "nproc": 4, "shards": 2}
+
+
+@pytest.fixture(scope="module")
+def hsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> torch.Tensor:
+    job = run_job(tmp_path_factory.mktemp("hsdp-reference"), **HSDP)  # type: ignore[arg-type]
+    assert job.exit_code == 0
+    params: torch.Tensor = job.final(0)["params"]
+    return params
+
+
+def run_hsdp(tmp_path: Path, **kwargs: Any) -> Any:
+    return run_job(tmp_path, **HSDP, **kwargs)  # type: ignore[arg-type]
+
+
+def test_rank_restored_from_its_shards_replica(
+    tmp_path: Path, hsdp_reference: torch.Tensor
+) -> None:
+    job = run_hsdp(tmp_path, spares=1, kill_at={1: 8})
+    assert_lossless(job, hsdp_reference, incidents=1, world=4)
+    assert_survivors_kept(job, failed={1}, world=4)
+    [plan] = job.decisions("resume_planned")
+    assert (plan.donors, plan.recipients) == ({0: 0, 1: 3}, [1])  # rank 3 holds shard 1 too
+    [moved] = job.records(type="state_transferred")
+    assert (moved.rank, moved.donor) == (1, 3)
+
+
+def test_two_shards_lost_together_restored_in_parallel(
+    tmp_path: Path, hsdp_reference: torch.Tensor
+) -> None:
+    job = run_hsdp(tmp_path, spares=2, kill_at={0: 8, 3: 8})
+    assert_lossless(job, hsdp_reference, incidents=len(job.decisions("incident_closed")), world=4)
+    assert_survivors_kept(job, failed={0, 3}, world=4)
+    last = job.decisions("resume_planned")[-1]
+    assert (last.donors, last.recipients) == ({0: 2, 1: 1}, [0, 3])
+    moved = job.records(type="state_transferred")
+    assert {m.rank: m.donor for m in moved if m.generation == last.generation} == {0: 2, 3: 1}
