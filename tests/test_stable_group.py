@@ -1,0 +1,82 @@
+"""The stable process group on its own: local until it joins a generation, and a peer's death
+in a DDP backward turns into a recorded error, never an exception, with the rest of the step's
+collectives returning at once (real processes, a real SIGKILL)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions
+
+from flashrecovery.trainer_hooks import stable_group
+from flashrecovery.trainer_hooks.position import DataPosition
+
+TIMEOUT = datetime.timedelta(seconds=30)
+
+
+def test_a_group_in_no_generation_is_local() -> None:
+    group = stable_group.StableGroup("world", rank=1, size=3, device="cpu")
+    mine = torch.tensor([1.0, 2.0])
+    slots = [torch.zeros(2) for _ in range(3)]
+    work = group.allgather([slots], [mine], AllgatherOptions())
+    assert work.wait()
+    assert all(torch.equal(slot, mine) for slot in slots)  # what DDP's shape check expects
+    flat = torch.zeros(6)
+    group._allgather_base(flat, mine, AllgatherOptions()).wait()
+    assert torch.equal(flat, mine.repeat(3))
+    summed = torch.tensor([5.0])
+    future = group.allreduce([summed], AllreduceOptions()).get_future()
+    assert future.value() == [summed] and summed.item() == 5.0  # left as it is
+    assert group.error is None
+
+
+def _ddp_rank(rank: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
+    stable = stable_group.StableGroups("cpu")
+    stable_group.register(stable)
+    stable.attach(store, 0)
+    dist.init_process_group(
+        stable_group.BACKEND, store=dist.PrefixStore("torch/", store), rank=rank, world_size=2
+    )
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+    model(torch.ones(2, 4)).sum().backward()  # a step with both ranks
+    store.set(f"stepped/{rank}", "1")
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    store.wait(["stepped/1"])
+    while stable.error() is None:  # the peer's death surfaces in a step's all-reduce
+        model(torch.ones(2, 4)).sum().backward()
+    after = dist.all_reduce(torch.ones(1), async_op=True)  # the rest of the step: at once
+    assert after is not None and after.is_completed() and after.wait()
+    Path(out).write_text(stable.error() or "")
+    os._exit(0)
+
+
+def test_a_dead_peer_in_ddp_backward_is_recorded_not_raised(tmp_path: Path) -> None:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    out = tmp_path / "error.txt"
+    context = mp.start_processes(
+        _ddp_rank, args=(store.port, str(out)), nprocs=2, join=False, start_method="spawn"
+    )
+    survivor, victim = context.processes
+    survivor.join(60)
+    victim.join(5)
+    assert (survivor.exitcode, victim.exitcode) == (0, -signal.SIGKILL)
+    assert "Connection" in out.read_text()  # gloo's own words for the lost peer
+
+
+def test_data_position_round_trips() -> None:
+    position = DataPosition(epoch=2, batch=7)
+    other = DataPosition()
+    other.load_state_dict(position.state_dict())
+    assert other == position
+    other.next_epoch()
+    assert (other.epoch, other.batch) == (3, 0)
