@@ -32,7 +32,9 @@ from flashrecovery.records import RankJoined, RankRegrouped, RegroupPlanned, Str
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_demo_kill_recovers_bitwise_equal(tmp_path: Path) -> None:
+@pytest.mark.parametrize("parallel", ["hook", "ddp"])
+def test_demo_kill_recovers_bitwise_equal(tmp_path: Path, parallel: str) -> None:
+    """With the hook's own reduce, and with the GPT wrapped in torch DDP on the stable group."""
     command = [
         sys.executable,
         "-m",
@@ -47,6 +49,7 @@ def test_demo_kill_recovers_bitwise_equal(tmp_path: Path) -> None:
         "--run-dir", str(tmp_path / "run"),
         "--min-step-s", "0.1",
         "--timeout", "120",
+        "--parallel", parallel,
     ]  # fmt: skip
     # Agent and ranks import this checkout, whichever copy the environment has installed.
     env = {**os.environ, "PYTHONPATH": str(REPO)}
