@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib
 import itertools
 import json
 import os
@@ -166,6 +167,9 @@ class Session:
         waits here until it is given a rank."""
         if not dist.is_initialized():
             if self._rank is None:
+                # What DDP's constructor imports on first use (torch._dynamo, 1-2 s here): a
+                # spare pays it before it waits, not after it is needed.
+                importlib.import_module("torch._dynamo")
                 self._report_ready()
                 self._await_assignment()
             stable_group.register(self._stable)
