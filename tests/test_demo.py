@@ -32,15 +32,16 @@ from flashrecovery.records import RankJoined, RankRegrouped, RegroupPlanned, Str
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("parallel", ["hook", "ddp"])
-def test_demo_kill_recovers_bitwise_equal(tmp_path: Path, parallel: str) -> None:
-    """With the hook's own reduce, and with the GPT wrapped in torch DDP on the stable group."""
+@pytest.mark.parametrize(("parallel", "nproc"), [("hook", 2), ("ddp", 2), ("hsdp", 4)])
+def test_demo_kill_recovers_bitwise_equal(tmp_path: Path, parallel: str, nproc: int) -> None:
+    """With the hook's own reduce, with the GPT wrapped in torch DDP on the stable group, and
+    sharded with FSDP2 on a 2 x 2 HSDP mesh (rank 1 restored from rank 3, its shard's replica)."""
     command = [
         sys.executable,
         "-m",
         "flashrecovery.cli",
         "demo",
-        "--nproc", "2",
+        "--nproc", str(nproc),
         "--spares", "1",
         "--steps", "16",  # room for the kill to wait for the spare on a busy machine
         "--kill", "1@3",

@@ -25,7 +25,7 @@ from rich.table import Table
 from rich.text import Text
 
 from flashrecovery.connectors import open_log
-from flashrecovery.demo.job import PARALLEL, JobSpec, LaunchedJob
+from flashrecovery.demo.job import HSDP_SHARDS, PARALLEL, JobSpec, LaunchedJob
 from flashrecovery.demo.summary import summarize
 from flashrecovery.demo.watch import JobWatch, Kill, Killer, follow
 from flashrecovery.errors import LogError
@@ -66,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--parallel",
         choices=PARALLEL,
         default="hook",
-        help="who reduces the gradients: the hook (default) or torch DDP on the stable group",
+        help="who reduces the gradients: the hook (default), torch DDP on the stable group, or "
+        f"FSDP2 HSDP on a (nproc/{HSDP_SHARDS}, {HSDP_SHARDS}) mesh",
     )
 
 
@@ -74,6 +75,11 @@ def kill_plan(args: argparse.Namespace) -> list[Kill]:
     """The kills asked for, or one random kill drawn from the seed (so a rerun repeats it)."""
     if args.nproc < 1 or args.spares < 0 or args.steps < 2:
         raise ValueError("--nproc must be >= 1, --spares >= 0 and --steps >= 2")
+    if args.parallel == "hsdp" and (args.nproc < 2 * HSDP_SHARDS or args.nproc % HSDP_SHARDS):
+        raise ValueError(
+            f"--parallel hsdp shards the model {HSDP_SHARDS} ways with at least 2 replicas: "
+            f"--nproc must be a multiple of {HSDP_SHARDS}, at least {2 * HSDP_SHARDS}"
+        )
     if not args.kill:
         rng = random.Random(args.seed)
         step = rng.randint(max(1, args.steps // 4), max(1, 3 * args.steps // 4))

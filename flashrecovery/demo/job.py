@@ -20,7 +20,8 @@ import psutil
 
 TRAIN_SCRIPT = Path(__file__).resolve().with_name("train.py")  # by path: no torch import here
 STOP_GRACE_S = 5.0
-PARALLEL = ("hook", "ddp")  # who reduces the gradients (train.py --parallel)
+PARALLEL = ("hook", "ddp", "hsdp")  # who reduces the gradients (train.py --parallel)
+HSDP_SHARDS = 2  # --parallel hsdp: a (nproc / 2, 2) mesh of replicas x shards
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class JobSpec:
             self.log_url,
             "--job-id",
             self.job_id,
+            *(("--shards", str(HSDP_SHARDS)) if self.parallel == "hsdp" else ()),
             *self.agent_args,
             str(TRAIN_SCRIPT),
             "--steps",

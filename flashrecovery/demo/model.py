@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,8 @@ def parameters_sha256(model: nn.Module) -> str:
     bitwise-equal models."""
     digest = hashlib.sha256()
     for name, param in model.named_parameters():
+        # A sharded parameter (FSDP2) is gathered whole: a collective of every rank.
+        whole = param.full_tensor() if isinstance(param, DTensor) else param
         digest.update(name.encode())
-        digest.update(param.detach().cpu().contiguous().numpy().tobytes())
+        digest.update(whole.detach().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()

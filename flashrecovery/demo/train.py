@@ -3,8 +3,9 @@
 A plain loop over the trainer hook: build the model, register it, train over the steps the
 session yields (after a recovery it resumes after the committed step), and leave the final
 parameters' digest, the losses and the step times in ``<run-dir>/rank<k>.json``. With
-``--parallel ddp`` the model is wrapped in torch DDP over the session's stable process group,
-which reduces the gradients, and the script steps its optimizer on a committed step.
+``--parallel ddp`` the model is wrapped in torch DDP over the session's stable process group
+(``hsdp``: sharded with FSDP2 over a replicas x shards mesh), which reduces the gradients, and
+the script steps its optimizer on a committed step.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ import time
 from pathlib import Path
 
 import torch
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LambdaLR
 
 from flashrecovery.demo.data import BLOCK_SIZE, batch_for, vocabulary
-from flashrecovery.demo.job import PARALLEL
+from flashrecovery.demo.job import HSDP_SHARDS, PARALLEL
 from flashrecovery.demo.model import GPTConfig, TinyGPT, lm_loss, parameters_sha256
 from flashrecovery.demo.results import RankResult
 from flashrecovery.trainer_hooks import init
@@ -41,8 +43,13 @@ def build(seed: int) -> tuple[TinyGPT, torch.optim.Optimizer, LambdaLR]:
     torch.set_num_threads(1)  # one thread: CPU kernels reduce in a fixed order, bitwise repeatable
     torch.manual_seed(seed)
     model = TinyGPT(GPTConfig(vocab_size=len(vocabulary()), block_size=BLOCK_SIZE))
+    return model, *optimizer_for(model)
+
+
+def optimizer_for(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, LambdaLR]:
+    """AdamW and its warm-up schedule over the model's parameters (FSDP2's, once sharded)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
-    return model, optimizer, LambdaLR(optimizer, _warmup_factor)
+    return optimizer, LambdaLR(optimizer, _warmup_factor)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -63,11 +70,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     session = init()
-    ddp = args.parallel == "ddp"
-    if ddp:
-        session.process_group()  # a hot spare waits here until it has a rank
+    ours = args.parallel != "hook"  # torch's DDP / FSDP reduce the gradients
+    mesh = None
+    if args.parallel == "hsdp":  # a hot spare waits in here until it has a rank
+        replicas = session.world_size // HSDP_SHARDS
+        mesh = session.device_mesh((replicas, HSDP_SHARDS), ("replicate", "shard"))
+    elif ours:
+        session.process_group()
     model, optimizer, schedule = build(args.seed)
-    forward = DistributedDataParallel(model) if ddp else model
+    forward: torch.nn.Module = model
+    if mesh is not None:
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer, schedule = optimizer_for(model)
+    elif ours:
+        forward = DistributedDataParallel(model)
 
     def warmup() -> None:  # a spare's first forward/backward, paid before it is needed
         x, y = batch_for(0, 0, session.world_size)
@@ -88,19 +106,20 @@ def main(argv: list[str] | None = None) -> int:
         committed = session.commit(loss=value)
         now = time.perf_counter()
         if committed:
-            if ddp:
+            if ours:
                 optimizer.step()
             schedule.step()
             losses[step] = value
             step_times.append(now - last)
         last = now
+    digest = parameters_sha256(model)  # sharded: gathered over the job's groups, still up
     session.finish()  # a spare never assigned does not get here: the agent ends it
     RankResult(
         rank=session.rank,
         pid=os.getpid(),
         generation=session.generation,
         steps=args.steps,
-        params_sha256=parameters_sha256(model),
+        params_sha256=digest,
         losses=losses,
         step_times_s=step_times,
     ).write(args.run_dir)
