@@ -9,6 +9,7 @@ import os
 import signal
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -36,41 +37,58 @@ def test_a_group_in_no_generation_is_local() -> None:
     assert group.error is None
 
 
-def _ddp_rank(rank: int, port: int, out: str) -> None:
+def _ddp_rank(rank: int, port: int, out: str, device: str) -> None:
     torch.set_num_threads(1)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
-    stable = stable_group.StableGroups("cpu")
+    stable = stable_group.StableGroups(device)
     stable_group.register(stable)
     stable.attach(store, 0)
     dist.init_process_group(
         stable_group.BACKEND, store=dist.PrefixStore("torch/", store), rank=rank, world_size=2
     )
     torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
-    model(torch.ones(2, 4)).sum().backward()  # a step with both ranks
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1).to(device))
+    batch = torch.ones(2, 4, device=device)
+    model(batch).sum().backward()  # a step with both ranks
     store.set(f"stepped/{rank}", "1")
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     store.wait(["stepped/1"])
     while stable.error() is None:  # the peer's death surfaces in a step's all-reduce
-        model(torch.ones(2, 4)).sum().backward()
-    after = dist.all_reduce(torch.ones(1), async_op=True)  # the rest of the step: at once
+        model(batch).sum().backward()
+    # The rest of the step's collectives return at once.
+    after = dist.all_reduce(torch.ones(1, device=device), async_op=True)
     assert after is not None and after.is_completed() and after.wait()
     Path(out).write_text(stable.error() or "")
     os._exit(0)
 
 
-def test_a_dead_peer_in_ddp_backward_is_recorded_not_raised(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(
+                torch.cuda.device_count() < 2,
+                reason="the NCCL path (communicators aborted on a failure) needs 2 CUDA devices",
+            ),
+        ),
+    ],
+)
+def test_a_dead_peer_in_ddp_backward_is_recorded_not_raised(tmp_path: Path, device: str) -> None:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     out = tmp_path / "error.txt"
     context = mp.start_processes(
-        _ddp_rank, args=(store.port, str(out)), nprocs=2, join=False, start_method="spawn"
+        _ddp_rank, args=(store.port, str(out), device), nprocs=2, join=False, start_method="spawn"
     )
     survivor, victim = context.processes
     survivor.join(60)
     victim.join(5)
     assert (survivor.exitcode, victim.exitcode) == (0, -signal.SIGKILL)
-    assert "Connection" in out.read_text()  # gloo's own words for the lost peer
+    assert out.read_text()  # the backend's own words for the lost peer
 
 
 def test_data_position_round_trips() -> None:
