@@ -213,6 +213,11 @@ class Agent:
             "FLASHRECOVERY_JOB_ID": self.job_id,
             "FLASHRECOVERY_LOG": self.log_url,
             "FLASHRECOVERY_HEARTBEAT_INTERVAL": str(self.config.heartbeat_interval_s),
+            **(
+                {"FLASHRECOVERY_FAULT_PLAN": self.config.fault_plan.spec()}
+                if self.config.fault_plan.entries
+                else {}
+            ),
         }
 
     def _on_exit(self, child: Child, code: int) -> None:

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from flashrecovery.errors import LaunchError
-from flashrecovery.trainer_hooks.faults import Fault
+from flashrecovery.trainer_hooks.faults import Fault, FaultPlan
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,7 @@ class LaunchEnv:
     generation: int
     replacement: bool
     fault: Fault | None
+    fault_plan: FaultPlan
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> LaunchEnv:
@@ -59,6 +60,7 @@ class LaunchEnv:
                 fault=Fault.parse(env["FLASHRECOVERY_FAULT"])
                 if env.get("FLASHRECOVERY_FAULT")
                 else None,
+                fault_plan=FaultPlan.parse(env.get("FLASHRECOVERY_FAULT_PLAN", "")),
             )
         except ValueError as exc:
             raise LaunchError(f"bad launch environment: {exc}") from None

@@ -93,7 +93,9 @@ class Session:
         self._heartbeat.start()
         try:
             if env.role == "rank" and not env.replacement and self._barrier(0, "members"):
-                self._group = groups.build(self._store, 0, self.rank, env.world_size)
+                self._group = groups.build(
+                    self._store, 0, self.rank, env.world_size, self._superseded
+                )
                 self._append(
                     RankJoined, rank=self.rank, pid=self._pid, host=self._host, shard=SHARD
                 )
@@ -171,15 +173,12 @@ class Session:
         if step is None:
             raise RuntimeError("session.commit() outside a step of session.steps()")
         assert self._group is not None and self._model is not None and self._optimizer is not None
-        fault = self._env.fault
-        if fault is not None:
-            fault.check("before_reduce", step)
+        self._fault("before_reduce", step)
         params = [p for p in self._model.parameters() if p.requires_grad]
         self._waiting = True  # heartbeats now say: held up by the peers, if anyone
         try:
             reduced = ReducedGradients.reduce(self._group, params)
-            if fault is not None:
-                fault.check("after_reduce", step)
+            self._fault("after_reduce", step)
         except RuntimeError as exc:  # a peer vanished: gloo fails within milliseconds
             self._append(CollectiveError, rank=self.rank, step=step, error=str(exc)[:500])
             verdict = vote.Verdict.ABORTED
@@ -210,8 +209,7 @@ class Session:
         session's threads. A member lost after the last commit is replaced meanwhile like any
         other (this rank may be its donor), so the job still ends with every rank."""
         if self._rank is not None:
-            if self._env.fault is not None:
-                self._env.fault.check("finish", self._committed_step)
+            self._fault("finish", self._committed_step)
             try:
                 while not self._barrier(self._generation, "done"):
                     self._recover()
@@ -259,12 +257,16 @@ class Session:
         newer generation is planned) ends it. Yields whether that already happened."""
         with self._release_lock:
             self._release = (self._generation, release)
-            superseded = self._follower.latest_generation > self._generation
+            superseded = self._superseded()
         try:
             yield superseded
         finally:
             with self._release_lock:
                 self._release = None
+
+    def _superseded(self) -> bool:
+        """Whether the engine planned a generation newer than the one this rank joins."""
+        return self._follower.latest_generation > self._generation
 
     def _on_regroup(self, generation: int) -> None:
         with self._release_lock:
@@ -299,8 +301,12 @@ class Session:
                 raise ReplacedError(f"rank {self.rank} was declared failed and replaced")
             self._generation = generation
             try:
+                self._fault("regroup", self._committed_step)
                 if self._barrier(generation, "members"):
-                    self._group = groups.build(self._store, generation, self.rank, self.world_size)
+                    self._fault("group_build", self._committed_step)
+                    self._group = groups.build(
+                        self._store, generation, self.rank, self.world_size, self._superseded
+                    )
                     self._append(
                         RankRegrouped,
                         rank=self.rank,
@@ -333,7 +339,12 @@ class Session:
         if self.rank == donor:
             state = self._state()
             for recipient in plan.recipients:
-                transfer.send(self._group, recipient, state)
+                transfer.send(
+                    self._group,
+                    recipient,
+                    state,
+                    after_header=lambda: self._fault("donor_send", self._committed_step),
+                )
         elif self.rank in plan.recipients:
             started = time.perf_counter()
             state, size = transfer.recv(self._group, donor)
@@ -374,6 +385,17 @@ class Session:
         group, self._group = self._group, None
         if group is not None:
             groups.drop(group)
+
+    # ------------------------------------------------------------------ faults (tests)
+
+    def _fault(self, where: str, step: int) -> None:
+        """Fail here if a test planned it (trainer_hooks/faults.py)."""
+        if self._env.fault is not None:
+            self._env.fault.check(where, step)
+        if self._rank is not None:
+            self._env.fault_plan.check(
+                where, self._rank, step, lambda index: self._store.add(f"fault/{index}", 1) == 1
+            )
 
     # ------------------------------------------------------------------ records
 

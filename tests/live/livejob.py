@@ -21,6 +21,7 @@ import torch
 from flashrecovery.agent import Agent, AgentConfig
 from flashrecovery.connectors import LogConnector, open_log
 from flashrecovery.records import Envelope, Stream
+from flashrecovery.trainer_hooks.faults import FaultPlan
 
 SCRIPT = Path(__file__).parent.parent / "scripts" / "train_mlp.py"
 WORLD = 3
@@ -81,6 +82,7 @@ def run_job(
     nproc: int = WORLD,
     spares: int = 0,
     faults: dict[int, str] | None = None,
+    fault_plan: list[str] | None = None,
     kill_at: dict[int, int] | None = None,
     log_url: str | None = None,
     stall_floor_s: float = 5.0,
@@ -111,6 +113,7 @@ def run_job(
             stall_floor_s=stall_floor_s,
             external_engine=external_engine,
             faults=faults or {},
+            fault_plan=FaultPlan.parse(",".join(fault_plan or [])),
             output_dir=tmp_path / "output",
             max_replacements=max_replacements,
             spare_refill=spare_refill,
