@@ -31,6 +31,7 @@ class AgentConfig:
     external_engine: bool = False  # decisions come from `flashrecovery engine` services
     faults: dict[int, str] = field(default_factory=dict)  # rank -> FLASHRECOVERY_FAULT (tests)
     fault_plan: FaultPlan = field(default_factory=lambda: FaultPlan(()))  # each fires once (tests)
+    final_state_dir: Path | None = None  # each rank's finish() leaves its final state here
     output_dir: Path | None = None  # each child's stdout+stderr in its own file; else inherited
     max_replacements: int = 3  # the same rank failing this often at one step fails the job
     max_incidents: int | None = None  # incidents recovered at most (None: no bound)

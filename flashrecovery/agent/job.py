@@ -27,6 +27,7 @@ from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.errors import LogError
 from flashrecovery.observe.exporter import MetricsServer
 from flashrecovery.records import Decision, Envelope, JobFinished, JobStarted, RankExited, Stream
+from flashrecovery.trainer_hooks import final_state
 
 log = structlog.get_logger("flashrecovery.agent")
 FOLLOW_TIMEOUT_S = 0.1  # how often the agent looks at its children between decisions
@@ -216,6 +217,11 @@ class Agent:
             **(
                 {"FLASHRECOVERY_FAULT_PLAN": self.config.fault_plan.spec()}
                 if self.config.fault_plan.entries
+                else {}
+            ),
+            **(
+                {final_state.ENV: str(self.config.final_state_dir.resolve())}
+                if self.config.final_state_dir
                 else {}
             ),
         }

@@ -75,6 +75,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_metrics_port(parser)
     parser.add_argument(
+        "--final-state",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="each rank's session.finish() writes the digest of its final parameters to "
+        "DIR/rank<r>.json (for a bitwise comparison of runs: `flashrecovery chaos`)",
+    )
+    parser.add_argument(
         "--fault",
         action="append",
         default=[],
@@ -127,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
                 external_engine=args.external_engine,
                 faults=_faults(args.fault),
                 fault_plan=_fault_plan(args.fault_once),
+                final_state_dir=args.final_state,
                 output_dir=args.output_dir,
                 max_replacements=args.max_replacements,
                 max_incidents=args.max_incidents,

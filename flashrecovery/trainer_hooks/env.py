@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from flashrecovery.errors import LaunchError
+from flashrecovery.trainer_hooks import final_state
 from flashrecovery.trainer_hooks.faults import Fault, FaultPlan
 
 
@@ -26,6 +28,7 @@ class LaunchEnv:
     replacement: bool
     fault: Fault | None
     fault_plan: FaultPlan
+    final_state_dir: Path | None  # where finish() leaves the final state (final_state.py)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> LaunchEnv:
@@ -61,6 +64,7 @@ class LaunchEnv:
                 if env.get("FLASHRECOVERY_FAULT")
                 else None,
                 fault_plan=FaultPlan.parse(env.get("FLASHRECOVERY_FAULT_PLAN", "")),
+                final_state_dir=Path(env[final_state.ENV]) if env.get(final_state.ENV) else None,
             )
         except ValueError as exc:
             raise LaunchError(f"bad launch environment: {exc}") from None

@@ -40,7 +40,7 @@ from flashrecovery.records import (
     StepCompleted,
     Stream,
 )
-from flashrecovery.trainer_hooks import barrier, groups, rng, transfer, vote
+from flashrecovery.trainer_hooks import barrier, final_state, groups, rng, transfer, vote
 from flashrecovery.trainer_hooks.decisions import DecisionFollower
 from flashrecovery.trainer_hooks.env import LaunchEnv
 from flashrecovery.trainer_hooks.gradients import ReducedGradients
@@ -216,6 +216,13 @@ class Session:
             except dist.DistStoreError:
                 pass  # a member never came: nothing left to train, report what this rank holds
             self._append(RankFinished, rank=self._rank, step=self._committed_step)
+            if self._env.final_state_dir is not None and self._model is not None:
+                final_state.FinalState(
+                    self._rank,
+                    self._pid,
+                    self._committed_step,
+                    final_state.parameters_sha256(self._model),
+                ).write(self._env.final_state_dir)
         self._close()
 
     def __enter__(self) -> Session:

@@ -1,0 +1,129 @@
+"""What a chaos run proves, judged after the fact from its log, the ranks' final states and the
+faults it sent: per fault its detection time, RTO, committed steps lost and whether it was
+recovered; for the job, completion, bitwise equality with the fault-free reference, a replay
+with no divergence, the survivors' processes kept, and no process left behind."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from flashrecovery.chaos.schedule import OUTSIDE_SIGNAL, PlannedFault
+from flashrecovery.connectors.base import LogConnector
+from flashrecovery.demo.summary import incidents, process_history
+from flashrecovery.demo.watch import Kill
+from flashrecovery.records import EngineLease, Stream
+from flashrecovery.trainer_hooks.final_state import FinalState
+
+
+@dataclass
+class Sent:
+    """What the chaos command did from outside for one fault."""
+
+    kill: Kill | None = None  # the rank signalled (outside kinds, and mid-incident ones)
+    mid_incident_ts: float | None = None  # when the engine was killed / the broker restarted
+    engine_killed: str | None = None  # that engine's id
+    notes: list[str] = field(default_factory=list)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 1)
+
+
+def _takeover_s(log: LogConnector, job_id: str, sent: Sent) -> float | None:
+    """From the engine's death to the first lease another engine took."""
+    if sent.mid_incident_ts is None:
+        return None
+    for entry in log.read(Stream.EVENTS, job_id):
+        lease = entry.record
+        if (
+            isinstance(lease, EngineLease)
+            and lease.engine_id != sent.engine_killed
+            and lease.ts >= sent.mid_incident_ts
+        ):
+            return lease.ts - sent.mid_incident_ts
+    return None
+
+
+def judge(
+    log: LogConnector,
+    job_id: str,
+    nproc: int,
+    faults: list[PlannedFault],
+    sent: dict[int, Sent],
+    returncode: int | None,
+    final: dict[int, FinalState],
+    reference: dict[int, FinalState],
+    left: list[int],
+) -> dict[str, Any]:
+    """The verdict as plain JSON; ``ok`` only when every check holds."""
+    kills = [s.kill for s in sent.values() if s.kill is not None]
+    found = incidents(log, job_id, kills)
+    unclaimed = list(found["incidents"])
+    rows = []
+    for fault in faults:
+        mine = []
+        for rank in fault.failed_ranks:
+            match = next((r for r in unclaimed if r["failed_rank"] == rank), None)
+            if match is not None:
+                unclaimed.remove(match)
+                mine.append(match)
+        action = sent.get(fault.index, Sent())
+        first = mine[0] if mine else None
+        if first is None:
+            detection = None
+        elif fault.kind in OUTSIDE_SIGNAL and first["detection_s"] is not None:
+            detection = first["detection_s"]  # from the signal the chaos command sent
+        else:
+            detection = first["phases_s"].get("detected")  # from the failure the engine dated
+        rtos = [r["rto_s"] for r in mine]
+        recovered = len(mine) == len(fault.failed_ranks) and all(
+            r["state"] == "closed" for r in mine
+        )
+        notes = list(action.notes)
+        takeover = _takeover_s(log, job_id, action) if action.engine_killed else None
+        if takeover is not None:
+            notes.append(f"engine takeover {takeover * 1000:.0f} ms")
+        if fault.kind in ("engine_kill", "broker_restart") and action.mid_incident_ts is None:
+            recovered = False
+            notes.append("the mid-incident fault was not sent")
+        rows.append(
+            {
+                "index": fault.index,
+                "kind": fault.kind,
+                "where": fault.describe(),
+                "incidents": [r["incident_id"] for r in mine],
+                "detection_ms": _ms(detection),
+                "rto_ms": _ms(max(rtos)) if rtos and None not in rtos else None,
+                "committed_steps_lost": sum(r["committed_steps_lost"] or 0 for r in mine),
+                "recovered": recovered,
+                "notes": notes,
+            }
+        )
+    joined, _, unplanned = process_history(log, job_id)
+    digests = {r: s.params_sha256 for r, s in final.items()}
+    expected = {r: s.params_sha256 for r, s in reference.items()}
+    checks = {
+        "completed": returncode == 0 and len(final) == nproc,
+        "every_fault_recovered": all(r["recovered"] for r in rows),
+        "bitwise_equal_to_reference": len(expected) == nproc and digests == expected,
+        "replay_no_divergence": bool(found["replay"]["ok"]),
+        "survivor_pids_unchanged": not unplanned and len(joined) == nproc,
+        "no_process_left": not left,
+        "no_committed_step_lost": all(r["committed_steps_lost"] == 0 for r in rows)
+        and not any(r["committed_steps_lost"] for r in unclaimed),
+    }
+    return {
+        "job_id": job_id,
+        "faults": rows,
+        "unplanned_incidents": unclaimed,
+        "unplanned_pid_changes": unplanned,
+        "processes_left": left,
+        "agent_returncode": returncode,
+        "params_sha256": digests,
+        "reference_params_sha256": expected,
+        "replay": found["replay"],
+        "checks": checks,
+        "recovered": sum(r["recovered"] for r in rows),
+        "ok": all(checks.values()),
+    }
