@@ -22,7 +22,7 @@ from flashrecovery.agent.store import JobStore
 from flashrecovery.agent.supervisor import Child, Supervisor
 from flashrecovery.chain import seal
 from flashrecovery.connectors import open_log
-from flashrecovery.connectors.follow import StreamCursor
+from flashrecovery.connectors.follow import StreamCursor, append_through_outage
 from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.errors import LogError
 from flashrecovery.observe.exporter import MetricsServer
@@ -33,6 +33,7 @@ log = structlog.get_logger("flashrecovery.agent")
 FOLLOW_TIMEOUT_S = 0.1  # how often the agent looks at its children between decisions
 STORE_TIMEOUT = datetime.timedelta(seconds=60)
 STUCK_AFTER_S = 120.0  # a rank has had no live process this long: nothing will recover it
+LOG_OUTAGE_S = 60.0  # how long a record is retried while the log is away
 
 
 class Interrupted(BaseException):
@@ -242,7 +243,9 @@ class Agent:
         )
 
     def _report(self, record: Envelope) -> None:
-        self._log.append(Stream.EVENTS, record)
+        """What the agent tells is part of the protocol (an exit, an activation): ride out a
+        log outage rather than lose it."""
+        append_through_outage(self._log, Stream.EVENTS, record, LOG_OUTAGE_S)
 
 
 _Handler = signal.Handlers | int | None | object

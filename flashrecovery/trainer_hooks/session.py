@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from flashrecovery.connectors import open_log
+from flashrecovery.connectors.follow import append_through_outage
 from flashrecovery.errors import ProtocolError, ReplacedError
 from flashrecovery.records import (
     CollectiveError,
@@ -407,7 +408,9 @@ class Session:
     # ------------------------------------------------------------------ records
 
     def _append(self, cls: type[Envelope], **fields: Any) -> None:
-        self._log.append(Stream.EVENTS, cls(**self._envelope(), **fields))
+        """Every record but a heartbeat is part of the protocol: ride out a log outage."""
+        record = cls(**self._envelope(), **fields)
+        append_through_outage(self._log, Stream.EVENTS, record, RECOVERY_TIMEOUT_S)
 
     def _envelope(self) -> dict[str, Any]:
         source = f"rank:{self._rank}" if self._rank is not None else f"spare:{self._env.spare_id}"

@@ -20,6 +20,7 @@ import torch
 
 from flashrecovery.agent import Agent, AgentConfig
 from flashrecovery.connectors import LogConnector, open_log
+from flashrecovery.connectors.follow import StreamCursor
 from flashrecovery.records import Envelope, Stream
 from flashrecovery.trainer_hooks.faults import FaultPlan
 
@@ -126,13 +127,12 @@ def run_job(
     log = open_log(agent.log_url)
     pending, known, killed = dict(kill_at or {}), Processes(), {}
     steps = list(scenario or [])
-    position = 0
+    events = StreamCursor(log, Stream.EVENTS, agent.job_id)  # rides out a broker restart
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while thread.is_alive():
         if time.monotonic() > deadline:
             agent.stop()
-        for entry in log.follow(Stream.EVENTS, agent.job_id, position, 0.2):
-            position = entry.position + 1
+        for entry in events.poll(0.2):
             record = entry.record
             assert record is not None, entry.error
             if record.type in ("rank_joined", "spare_activated", "replacement_spawned"):
