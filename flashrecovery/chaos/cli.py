@@ -129,13 +129,17 @@ class Plan:
 
 
 class Engines:
-    """The `flashrecovery engine` services of a job: two share it; one killed is replaced."""
+    """The `flashrecovery engine` services of a job: two share it once it has started (the
+    agent refuses a job id that has records already); one killed is replaced."""
 
     def __init__(self, log_url: str, job_id: str, run_dir: Path) -> None:
         self._log_url, self._job_id, self._run_dir = log_url, job_id, run_dir
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
-        for _ in range(2):
-            self.start_one()
+
+    def start_with(self, watch: JobWatch) -> None:
+        if not self.processes and watch.state.config is not None:
+            for _ in range(2):
+                self.start_one()
 
     def start_one(self) -> None:
         name = f"engine-{len(self.processes)}"
@@ -179,6 +183,8 @@ class MidIncident:
     broker: KafkaBroker | None
 
     def __call__(self, job: LaunchedJob, watch: JobWatch) -> str | None:
+        if self.engines is not None:
+            self.engines.start_with(watch)
         opened, closed = watch.incidents
         for fault in self.plan.faults:
             sent = self.plan.sent.get(fault.index)
@@ -348,6 +354,7 @@ def _run_both(
             log,
             job.job_id,
             job.nproc,
+            job.steps,
             plan.faults,
             plan.sent,
             returncode,
@@ -396,6 +403,12 @@ def print_verdict(verdict: dict[str, Any], console: Console) -> None:
     for name, ok in verdict["checks"].items():
         checks.add_row(name.replace("_", " "), _yes(ok))
     console.print(checks)
+    records = verdict["records"]
+    console.print(
+        f"{records['records']} records; stored twice: {records['duplicate_record_ids']}; "
+        f"step records missing: {records['step_records_missing']}, "
+        f"twice: {records['step_records_duplicated']}"
+    )
     if verdict["processes_left"]:
         console.print(f"processes left: {verdict['processes_left']}")
     result = "[green]OK[/]" if verdict["ok"] else "[red]FAILED[/]"

@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from flashrecovery.chaos.schedule import OUTSIDE_SIGNAL, PlannedFault
+from flashrecovery.chaos.schedule import PlannedFault
 from flashrecovery.connectors.base import LogConnector
-from flashrecovery.demo.summary import incidents, process_history
+from flashrecovery.demo.summary import incidents, loss_curve, process_history, step_losses
 from flashrecovery.demo.watch import Kill
 from flashrecovery.records import EngineLease, Stream
 from flashrecovery.trainer_hooks.final_state import FinalState
@@ -45,10 +45,29 @@ def _takeover_s(log: LogConnector, job_id: str, sent: Sent) -> float | None:
     return None
 
 
+def _records(log: LogConnector, job_id: str, nproc: int, steps: int) -> dict[str, int]:
+    """Records stored twice (one id at two positions), and each rank's step records: a step
+    committed with no record of it (lost), or recorded twice."""
+    ids = [
+        e.record.record_id
+        for stream in (Stream.EVENTS, Stream.DECISIONS)
+        for e in log.read(stream, job_id)
+        if e.record is not None
+    ]
+    curve = loss_curve(step_losses(log, job_id), nproc, steps)
+    return {
+        "records": len(ids),
+        "duplicate_record_ids": len(ids) - len(set(ids)),
+        "step_records_missing": sum(len(v) for v in curve["gaps"].values()),
+        "step_records_duplicated": sum(len(v) for v in curve["duplicates"].values()),
+    }
+
+
 def judge(
     log: LogConnector,
     job_id: str,
     nproc: int,
+    steps: int,
     faults: list[PlannedFault],
     sent: dict[int, Sent],
     returncode: int | None,
@@ -60,10 +79,17 @@ def judge(
     kills = [s.kill for s in sent.values() if s.kill is not None]
     found = incidents(log, job_id, kills)
     unclaimed = list(found["incidents"])
+    signalled: dict[int, dict[str, Any]] = {}  # fault index -> the incident its kill caused
+    for index, action in sent.items():
+        pid = action.kill.pid if action.kill is not None else None
+        row = next((r for r in unclaimed if pid is not None and r["killed_pid"] == pid), None)
+        if row is not None:
+            unclaimed.remove(row)
+            signalled[index] = row
     rows = []
     for fault in faults:
-        mine = []
-        for rank in fault.failed_ranks:
+        mine = [signalled[fault.index]] if fault.index in signalled else []
+        for rank in fault.failed_ranks[len(mine) :]:
             match = next((r for r in unclaimed if r["failed_rank"] == rank), None)
             if match is not None:
                 unclaimed.remove(match)
@@ -72,7 +98,7 @@ def judge(
         first = mine[0] if mine else None
         if first is None:
             detection = None
-        elif fault.kind in OUTSIDE_SIGNAL and first["detection_s"] is not None:
+        elif fault.index in signalled:
             detection = first["detection_s"]  # from the signal the chaos command sent
         else:
             detection = first["phases_s"].get("detected")  # from the failure the engine dated
@@ -81,6 +107,9 @@ def judge(
             r["state"] == "closed" for r in mine
         )
         notes = list(action.notes)
+        kill = action.kill
+        if kill is not None and kill.committed is not None and kill.committed + 1 != fault.step:
+            notes.append(f"sent during step {kill.committed + 1}")  # it waited for a spare
         takeover = _takeover_s(log, job_id, action) if action.engine_killed else None
         if takeover is not None:
             notes.append(f"engine takeover {takeover * 1000:.0f} ms")
@@ -101,6 +130,7 @@ def judge(
             }
         )
     joined, _, unplanned = process_history(log, job_id)
+    records = _records(log, job_id, nproc, steps)
     digests = {r: s.params_sha256 for r, s in final.items()}
     expected = {r: s.params_sha256 for r, s in reference.items()}
     checks = {
@@ -109,9 +139,12 @@ def judge(
         "bitwise_equal_to_reference": len(expected) == nproc and digests == expected,
         "replay_no_divergence": bool(found["replay"]["ok"]),
         "survivor_pids_unchanged": not unplanned and len(joined) == nproc,
+        "no_unplanned_incident": not unclaimed,  # no healthy rank taken for a failed one
         "no_process_left": not left,
         "no_committed_step_lost": all(r["committed_steps_lost"] == 0 for r in rows)
         and not any(r["committed_steps_lost"] for r in unclaimed),
+        "no_record_duplicated": records["duplicate_record_ids"] == 0
+        and records["step_records_duplicated"] == 0,
     }
     return {
         "job_id": job_id,
@@ -119,6 +152,7 @@ def judge(
         "unplanned_incidents": unclaimed,
         "unplanned_pid_changes": unplanned,
         "processes_left": left,
+        "records": records,
         "agent_returncode": returncode,
         "params_sha256": digests,
         "reference_params_sha256": expected,
