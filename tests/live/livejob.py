@@ -6,11 +6,14 @@ when the log shows it committed a given step; then it checks that no process of 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,6 +71,29 @@ class Processes:
 # A step of a scenario: called with each new event and the processes known so far; returns True
 # once it has done its part (the next step is then called from the following event on).
 Scenario = Callable[[Envelope, Processes], bool]
+
+
+ENGINE = [sys.executable, "-m", "flashrecovery.cli", "engine", "--lease-ttl", "1.0"]
+
+
+@contextlib.contextmanager
+def engine_services(log_url: str) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
+    """Two `flashrecovery engine` services, "a" and "b", sharing the job; ended on the way out."""
+    engines = {
+        name: subprocess.Popen(
+            [*ENGINE, "--log", log_url, "--job", "live", "--engine-id", name],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for name in ("a", "b")
+    }
+    try:
+        yield engines
+    finally:
+        for proc in engines.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=30)
 
 
 def _alive(pid: int) -> bool:

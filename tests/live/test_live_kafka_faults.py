@@ -3,15 +3,13 @@ SIGKILLed, the broker restarted. The job still ends bitwise equal to a fault-fre
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 from kafka_fixture import fresh_prefix
-from livejob import Processes, run_job
+from livejob import Processes, engine_services, run_job
 from test_live_recovery import assert_lossless, assert_survivors_kept
 
 from flashrecovery.connectors.kafka_broker import KafkaBroker
@@ -19,7 +17,6 @@ from flashrecovery.engine.lease import LeaseBook
 from flashrecovery.records import EngineLease, Envelope, RankExited, Stream
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(300)]
-ENGINE = [sys.executable, "-m", "flashrecovery.cli", "engine", "--lease-ttl", "1.0"]
 
 
 def test_engine_killed_mid_incident_the_standby_finishes_it(
@@ -28,14 +25,6 @@ def test_engine_killed_mid_incident_the_standby_finishes_it(
     """No spare: the fresh replacement takes seconds to start, so the incident is open when
     the lease holder is SIGKILLed right after the rank's exit is in the log; the standby must
     plan the resume and close the incident."""
-    engines = {
-        name: subprocess.Popen(
-            [*ENGINE, "--log", kafka_log_url, "--job", "live", "--engine-id", name],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        for name in ("a", "b")
-    }
     leases = LeaseBook()
     killed: dict[str, float] = {}  # engine -> when
 
@@ -50,7 +39,7 @@ def test_engine_killed_mid_incident_the_standby_finishes_it(
         killed[holder] = time.time()
         return True
 
-    try:
+    with engine_services(kafka_log_url) as engines:
         job = run_job(
             tmp_path,
             spares=0,
@@ -62,11 +51,6 @@ def test_engine_killed_mid_incident_the_standby_finishes_it(
         [(dead, killed_at)] = killed.items()
         standby = next(name for name in engines if name != dead)
         assert engines[standby].wait(timeout=60) == 0  # it served the job to its end
-    finally:
-        for proc in engines.values():
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(timeout=30)
     assert_lossless(job, reference, incidents=1)
     assert_survivors_kept(job, failed={1})
     [resume] = job.decisions("resume_planned")
