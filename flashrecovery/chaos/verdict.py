@@ -102,7 +102,10 @@ def judge(
             detection = first["detection_s"]  # from the signal the chaos command sent
         else:
             detection = first["phases_s"].get("detected")  # from the failure the engine dated
-        rtos = [r["rto_s"] for r in mine]
+        # From the signal the chaos command sent, else from the failure the engine dated.
+        rtos = [
+            r["rto_from_kill_s"] if r is signalled.get(fault.index) else r["rto_s"] for r in mine
+        ]
         recovered = len(mine) == len(fault.failed_ranks) and all(
             r["state"] == "closed" for r in mine
         )
