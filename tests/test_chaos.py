@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_a_seed_gives_one_schedule_and_faults_land_at_distinct_steps() -> None:
-    kinds = available_kinds(3, external_engine=True, broker=True)
+    kinds = available_kinds(3, external_engine=True, broker=True, spares=2)
     one = draw(40, 7, 3, kinds, first_step=4, gap=6)
     assert one == draw(40, 7, 3, kinds, first_step=4, gap=6)
     assert one != draw(40, 8, 3, kinds, first_step=4, gap=6)
@@ -48,6 +48,13 @@ def test_faults_inside_a_recovery_hit_another_member_at_the_committed_step() -> 
 def test_two_ranks_take_only_single_failures() -> None:
     assert not set(TWO_FAILURES) & set(available_kinds(2, False, False))
     assert "engine_kill" not in available_kinds(3, False, False)
+    assert "spare_kill" not in available_kinds(3, False, False, spares=0)
+
+
+def test_an_idle_spare_fault_fails_no_rank_and_plans_nothing_inside() -> None:
+    [fault] = draw(1, 0, 3, ["spare_stop"], first_step=5, gap=6)
+    assert fault.plan == [] and fault.failed_ranks == []
+    assert fault.describe() == "an idle spare at step 5"
 
 
 def test_an_impossible_kind_is_refused_before_anything_starts(tmp_path: Path) -> None:

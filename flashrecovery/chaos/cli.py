@@ -27,7 +27,12 @@ from rich.console import Console
 from rich.table import Table
 
 from flashrecovery.chaos import schedule
-from flashrecovery.chaos.schedule import MID_INCIDENT, OUTSIDE_SIGNAL, PlannedFault
+from flashrecovery.chaos.schedule import (
+    IDLE_SPARE_SIGNAL,
+    MID_INCIDENT,
+    OUTSIDE_SIGNAL,
+    PlannedFault,
+)
 from flashrecovery.chaos.verdict import Sent, judge
 from flashrecovery.connectors import LogError, open_log
 from flashrecovery.connectors.kafka_broker import KafkaBroker
@@ -101,7 +106,9 @@ class Plan:
     def from_args(cls, args: argparse.Namespace) -> Plan:
         if args.faults < 0 or args.nproc < 2 or args.spares < 0 or args.gap < 3:
             raise ValueError("--faults >= 0, --nproc >= 2, --spares >= 0 and --gap >= 3")
-        possible = schedule.available_kinds(args.nproc, args.external_engine, args.kafka)
+        possible = schedule.available_kinds(
+            args.nproc, args.external_engine, args.kafka, args.spares
+        )
         kinds = args.kinds.split(",") if args.kinds else possible
         for kind in kinds:
             if kind not in possible:
@@ -174,9 +181,10 @@ class Engines:
 
 
 @dataclass
-class MidIncident:
-    """Carries out the engine kills and broker restarts, each once the rank kill before it
-    has opened an incident that is not closed yet."""
+class OutsideFaults:
+    """Carries out what the killer does not: the engine kills and broker restarts, each once
+    the rank kill before it has opened an incident that is not closed yet, and the signals to
+    an idle spare, each once the job runs at its step with a spare ready."""
 
     plan: Plan
     engines: Engines | None
@@ -185,6 +193,25 @@ class MidIncident:
     def __call__(self, job: LaunchedJob, watch: JobWatch) -> str | None:
         if self.engines is not None:
             self.engines.start_with(watch)
+        return self._idle_spare(job, watch) or self._mid_incident(watch)
+
+    def _idle_spare(self, job: LaunchedJob, watch: JobWatch) -> str | None:
+        for fault in self.plan.faults:
+            sent = self.plan.sent.setdefault(fault.index, Sent())
+            if fault.kind not in IDLE_SPARE_SIGNAL or sent.spare is not None:
+                continue
+            ready = watch.state.ready_spares()
+            if watch.committed() < fault.step - 1 or not watch.running or not ready:
+                return None  # in order: a later one waits for this one
+            sig = IDLE_SPARE_SIGNAL[fault.kind]
+            ts = job.kill_descendant(ready[0].pid, sig)
+            if ts is None:
+                return None  # gone meanwhile: try another next round
+            sent.spare = (ready[0].spare_id, ready[0].pid, ts)
+            return f"[red]{sig.name}[/] idle spare {ready[0].spare_id} (pid {ready[0].pid})"
+        return None
+
+    def _mid_incident(self, watch: JobWatch) -> str | None:
         opened, closed = watch.incidents
         for fault in self.plan.faults:
             sent = self.plan.sent.get(fault.index)
@@ -343,7 +370,7 @@ def _run_both(
             console,
             "chaos",
             args.timeout,
-            on_round=MidIncident(plan, engines, broker),
+            on_round=OutsideFaults(plan, engines, broker),
             at_end=at_end,
         )
     finally:

@@ -25,11 +25,14 @@ KINDS: dict[str, str] = {
     "group_build": "a rank dies, then a second one dies while the new group forms",
     "engine_kill": "a rank is SIGKILLed, then the deciding engine mid-incident (--external-engine)",
     "broker_restart": "a rank is SIGKILLed, then the Kafka broker restarts mid-incident",
+    "spare_kill": "SIGKILL an idle hot spare (it must be retired and replaced, never used)",
+    "spare_stop": "SIGSTOP an idle hot spare (found by its missing heartbeats, then replaced)",
 }
 # Kinds that lose a second member during the recovery: they need a replica left to donate.
 TWO_FAILURES = ("donor", "replacement", "regroup", "group_build")
 OUTSIDE_SIGNAL = {"sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP}
 MID_INCIDENT = ("engine_kill", "broker_restart")  # a rank SIGKILLed, then this
+IDLE_SPARE_SIGNAL = {"spare_kill": signal.SIGKILL, "spare_stop": signal.SIGSTOP}
 
 
 @dataclass(frozen=True)
@@ -57,22 +60,28 @@ class PlannedFault:
     @property
     def failed_ranks(self) -> list[int]:
         """The ranks it makes fail, in order (one incident each)."""
+        if self.kind in IDLE_SPARE_SIGNAL:
+            return []  # a spare holds no rank: no incident, a retirement
         if self.kind == "replacement":
             return [self.rank, self.rank]
         return [self.rank] if self.second is None else [self.rank, self.second]
 
     def describe(self) -> str:
+        if self.kind in IDLE_SPARE_SIGNAL:
+            return f"an idle spare at step {self.step}"
         if self.kind in ("donor", "regroup", "group_build"):
             return f"rank {self.rank} at step {self.step}, then rank {self.second}"
         return f"rank {self.rank} at step {self.step}"
 
 
-def available_kinds(nproc: int, external_engine: bool, broker: bool) -> list[str]:
+def available_kinds(nproc: int, external_engine: bool, broker: bool, spares: int = 0) -> list[str]:
     """The kinds this job can take: two failures in one recovery need three ranks (one
-    replica must survive to donate); the engine and broker kinds need those to exist."""
+    replica must survive to donate); the spare, engine and broker kinds need those to exist."""
     kinds = ["sigkill", "sigstop", "raise", "stall"]
     if nproc >= 3:
         kinds += TWO_FAILURES
+    if spares:
+        kinds += list(IDLE_SPARE_SIGNAL)
     if external_engine:
         kinds.append("engine_kill")
     if broker:

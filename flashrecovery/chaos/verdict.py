@@ -8,11 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from flashrecovery.chaos.schedule import PlannedFault
+from flashrecovery.chaos.schedule import IDLE_SPARE_SIGNAL, PlannedFault
 from flashrecovery.connectors.base import LogConnector
 from flashrecovery.demo.summary import incidents, loss_curve, process_history, step_losses
 from flashrecovery.demo.watch import Kill
-from flashrecovery.records import EngineLease, Stream
+from flashrecovery.records import EngineLease, RetireSpare, SpareReady, Stream
 from flashrecovery.trainer_hooks.final_state import FinalState
 
 
@@ -23,6 +23,7 @@ class Sent:
     kill: Kill | None = None  # the rank signalled (outside kinds, and mid-incident ones)
     mid_incident_ts: float | None = None  # when the engine was killed / the broker restarted
     engine_killed: str | None = None  # that engine's id
+    spare: tuple[int, int, float] | None = None  # the idle spare signalled: id, pid, when
     notes: list[str] = field(default_factory=list)
 
 
@@ -61,6 +62,35 @@ def _records(log: LogConnector, job_id: str, nproc: int, steps: int) -> dict[str
         "step_records_missing": sum(len(v) for v in curve["gaps"].values()),
         "step_records_duplicated": sum(len(v) for v in curve["duplicates"].values()),
     }
+
+
+def _spare_replaced(log: LogConnector, job_id: str, sent: Sent) -> tuple[float, float] | None:
+    """From the signal to an idle spare: when the engine retired it, and when a spare started
+    in its place was ready (the pool full again)."""
+    if sent.spare is None:
+        return None
+    spare_id, _, ts = sent.spare
+    retired = next(
+        (
+            e.record.ts
+            for e in log.read(Stream.DECISIONS, job_id)
+            if isinstance(e.record, RetireSpare) and e.record.spare_id == spare_id
+        ),
+        None,
+    )
+    if retired is None:
+        return None
+    ready = next(
+        (
+            e.record.ts
+            for e in log.read(Stream.EVENTS, job_id)
+            if isinstance(e.record, SpareReady)
+            and e.record.spare_id > spare_id
+            and e.record.ts >= retired
+        ),
+        None,
+    )
+    return None if ready is None else (retired - ts, ready - ts)
 
 
 def judge(
@@ -119,6 +149,16 @@ def judge(
         if fault.kind in ("engine_kill", "broker_restart") and action.mid_incident_ts is None:
             recovered = False
             notes.append("the mid-incident fault was not sent")
+        if fault.kind in IDLE_SPARE_SIGNAL:
+            replaced = _spare_replaced(log, job_id, action)
+            recovered = replaced is not None
+            detection, rtos = (replaced[0], [replaced[1]]) if replaced else (None, [])
+            if action.spare is None:
+                notes.append("no idle spare to signal")
+            elif replaced is None:
+                notes.append(f"spare {action.spare[0]} was not retired and replaced")
+            else:
+                notes.append(f"spare {action.spare[0]} retired; RTO: its replacement ready")
         rows.append(
             {
                 "index": fault.index,
