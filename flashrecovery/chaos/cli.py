@@ -203,12 +203,13 @@ class OutsideFaults:
             ready = watch.state.ready_spares()
             if watch.committed() < fault.step - 1 or not watch.running or not ready:
                 return None  # in order: a later one waits for this one
-            sig = IDLE_SPARE_SIGNAL[fault.kind]
-            ts = job.kill_descendant(ready[0].pid, sig)
+            # The newest: the planner hands a rank to the oldest, which could be under way.
+            spare, sig = ready[-1], IDLE_SPARE_SIGNAL[fault.kind]
+            ts = job.kill_descendant(spare.pid, sig)
             if ts is None:
                 return None  # gone meanwhile: try another next round
-            sent.spare = (ready[0].spare_id, ready[0].pid, ts)
-            return f"[red]{sig.name}[/] idle spare {ready[0].spare_id} (pid {ready[0].pid})"
+            sent.spare = (spare.spare_id, spare.pid, ts)
+            return f"[red]{sig.name}[/] idle spare {spare.spare_id} (pid {spare.pid})"
         return None
 
     def _mid_incident(self, watch: JobWatch) -> str | None:

@@ -12,7 +12,14 @@ from flashrecovery.chaos.schedule import IDLE_SPARE_SIGNAL, PlannedFault
 from flashrecovery.connectors.base import LogConnector
 from flashrecovery.demo.summary import incidents, loss_curve, process_history, step_losses
 from flashrecovery.demo.watch import Kill
-from flashrecovery.records import EngineLease, RetireSpare, SpareReady, Stream
+from flashrecovery.records import (
+    EngineLease,
+    JobFinished,
+    RetireSpare,
+    SpareActivated,
+    SpareReady,
+    Stream,
+)
 from flashrecovery.trainer_hooks.final_state import FinalState
 
 
@@ -64,33 +71,46 @@ def _records(log: LogConnector, job_id: str, nproc: int, steps: int) -> dict[str
     }
 
 
-def _spare_replaced(log: LogConnector, job_id: str, sent: Sent) -> tuple[float, float] | None:
-    """From the signal to an idle spare: when the engine retired it, and when a spare started
-    in its place was ready (the pool full again)."""
+def _spare_outcome(
+    log: LogConnector, job_id: str, sent: Sent
+) -> tuple[bool, list[str], float | None, float | None]:
+    """An idle spare signalled: recovered when no rank was handed to it afterwards and either
+    the engine retired it and a spare started in its place got ready (detection: the
+    retirement; RTO: that spare ready, from the signal) or the job ended before its silence
+    was due to be found."""
     if sent.spare is None:
-        return None
+        return False, ["no idle spare to signal"], None, None
     spare_id, _, ts = sent.spare
-    retired = next(
-        (
-            e.record.ts
-            for e in log.read(Stream.DECISIONS, job_id)
-            if isinstance(e.record, RetireSpare) and e.record.spare_id == spare_id
-        ),
-        None,
+    decisions = [e.record for e in log.read(Stream.DECISIONS, job_id)]
+    events = [e.record for e in log.read(Stream.EVENTS, job_id)]
+    used = any(
+        isinstance(r, SpareActivated) and r.spare_id == spare_id and r.ts >= ts for r in events
     )
-    if retired is None:
-        return None
+    retired = next(
+        (r.ts for r in decisions if isinstance(r, RetireSpare) and r.spare_id == spare_id), None
+    )
     ready = next(
         (
-            e.record.ts
-            for e in log.read(Stream.EVENTS, job_id)
-            if isinstance(e.record, SpareReady)
-            and e.record.spare_id > spare_id
-            and e.record.ts >= retired
+            r.ts
+            for r in events
+            if isinstance(r, SpareReady) and r.spare_id > spare_id and r.ts >= (retired or ts)
         ),
         None,
     )
-    return None if ready is None else (retired - ts, ready - ts)
+    ended = next((r.ts for r in events if isinstance(r, JobFinished)), None)
+    if used:
+        return False, [f"spare {spare_id} was handed a rank after the signal"], None, None
+    if retired is not None and ready is not None:
+        notes = [f"spare {spare_id} retired; RTO: its replacement ready"]
+        return True, notes, retired - ts, ready - ts
+    if retired is None and ended is not None:
+        return (
+            True,
+            [f"the job ended {ended - ts:.1f} s after, before spare {spare_id} was found"],
+            None,
+            None,
+        )
+    return False, [f"spare {spare_id} was not retired and replaced"], None, None
 
 
 def judge(
@@ -150,15 +170,9 @@ def judge(
             recovered = False
             notes.append("the mid-incident fault was not sent")
         if fault.kind in IDLE_SPARE_SIGNAL:
-            replaced = _spare_replaced(log, job_id, action)
-            recovered = replaced is not None
-            detection, rtos = (replaced[0], [replaced[1]]) if replaced else (None, [])
-            if action.spare is None:
-                notes.append("no idle spare to signal")
-            elif replaced is None:
-                notes.append(f"spare {action.spare[0]} was not retired and replaced")
-            else:
-                notes.append(f"spare {action.spare[0]} retired; RTO: its replacement ready")
+            recovered, said, detection, rto = _spare_outcome(log, job_id, action)
+            notes += said
+            rtos = [] if rto is None else [rto]
         rows.append(
             {
                 "index": fault.index,
