@@ -35,9 +35,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from flashrecovery.demo.data import batch_for
 from flashrecovery.demo.job import LaunchedJob
-from flashrecovery.demo.model import lm_loss, parameters_sha256
+from flashrecovery.demo.model import lm_loss
 from flashrecovery.demo.results import RankResult, read_results
 from flashrecovery.demo.train import build
+from flashrecovery.trainer_hooks.final_state import parameters_sha256
 
 WARMUP = 5  # first steps pay one-time costs (allocations, gloo buffers)
 STORE_TIMEOUT = timedelta(seconds=60)

@@ -16,6 +16,7 @@ COMMANDS: dict[str, str] = {
     "run": "flashrecovery.agent.launcher",
     "engine": "flashrecovery.engine.service",
     "demo": "flashrecovery.demo.cli",
+    "chaos": "flashrecovery.chaos.cli",
     "events": "flashrecovery.inspect",
     "replay": "flashrecovery.engine.replay_command",
     "metrics": "flashrecovery.observe.exporter",

@@ -50,6 +50,17 @@ def fresh_prefix() -> str:
 
 
 @pytest.fixture
+def own_broker() -> Iterator[KafkaBroker]:
+    """A broker of the test's own, which it may stop and restart (never the session's)."""
+    broker = KafkaBroker()
+    try:
+        broker.start()
+        yield broker
+    finally:
+        broker.stop()
+
+
+@pytest.fixture
 def kafka_log_url(kafka_bootstrap: str) -> str:
     return kafka_url(kafka_bootstrap)
 

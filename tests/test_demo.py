@@ -21,13 +21,13 @@ from simworld import SimulatedWorld, drive
 from flashrecovery.connectors import open_log
 from flashrecovery.demo.data import batch_for
 from flashrecovery.demo.job import JobSpec
-from flashrecovery.demo.model import parameters_sha256
 from flashrecovery.demo.results import RankResult
 from flashrecovery.demo.summary import loss_curve, process_history, sparkline, summarize
 from flashrecovery.demo.train import build
 from flashrecovery.demo.watch import Kill
 from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.records import RankJoined, RankRegrouped, RegroupPlanned, Stream
+from flashrecovery.trainer_hooks.final_state import parameters_sha256
 
 REPO = Path(__file__).resolve().parents[1]
 

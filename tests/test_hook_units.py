@@ -59,13 +59,28 @@ def test_a_superseded_generation_releases_its_barrier(store: dist.Store) -> None
     assert barrier.wait(store, barrier.name(4, "members"), 1, timeout) is True
 
 
+def test_a_group_that_lost_a_member_while_forming_is_given_up_when_superseded(
+    job_store: JobStore,
+) -> None:
+    """Rank 1 passed the barrier and died before joining the group: rank 0 waits in the
+    rendezvous (other threads run meanwhile: the heartbeats go on) until a newer generation is
+    planned, then gives up at once instead of after the collective timeout."""
+    client = groups.connect_store("127.0.0.1", job_store.port, job_store.prefix)
+    newer_plan = threading.Event()
+    timer = threading.Timer(0.3, newer_plan.set)  # a Python thread: it needs the GIL to run
+    timer.start()
+    with pytest.raises(dist.DistStoreError, match="generation 7 was superseded"):
+        groups.build(client, 7, 0, 2, newer_plan.is_set)
+    timer.join()
+
+
 def _two_ranks(job_store: JobStore, work: Any) -> list[Any]:
     results: list[Any] = [None, None]
 
     def rank(r: int) -> None:
         # One blocking waiter per client.
         client = groups.connect_store("127.0.0.1", job_store.port, job_store.prefix)
-        group = groups.build(client, 0, r, 2)
+        group = groups.build(client, 0, r, 2, lambda: False)
         results[r] = work(r, group)
         groups.drop(group)
 

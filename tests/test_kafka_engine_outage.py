@@ -4,7 +4,6 @@ duplicated, and the engine carries on deciding."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 from kafka_fixture import fresh_prefix
@@ -19,17 +18,6 @@ from flashrecovery.records import Decision, Envelope, Stream
 
 pytestmark = pytest.mark.kafka
 JOB = "outage"
-
-
-@pytest.fixture
-def own_broker() -> Iterator[KafkaBroker]:
-    """A broker of this test's own: the session broker must never be stopped."""
-    broker = KafkaBroker()
-    try:
-        broker.start()
-        yield broker
-    finally:
-        broker.stop()
 
 
 def test_engine_rides_out_a_broker_restart(own_broker: KafkaBroker) -> None:

@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 from flashrecovery.connectors import open_log
 from flashrecovery.errors import ConfigError, LogError
 from flashrecovery.records import Stream
-from flashrecovery.trainer_hooks.faults import Fault
+from flashrecovery.trainer_hooks.faults import Fault, FaultPlan
 
 SPARE_REFILL = ("immediate", "after-recovery")
 _JOB_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
@@ -30,6 +30,8 @@ class AgentConfig:
     stall_floor_s: float = 5.0  # no step progress this long (at least) while peers wait: stall
     external_engine: bool = False  # decisions come from `flashrecovery engine` services
     faults: dict[int, str] = field(default_factory=dict)  # rank -> FLASHRECOVERY_FAULT (tests)
+    fault_plan: FaultPlan = field(default_factory=lambda: FaultPlan(()))  # each fires once (tests)
+    final_state_dir: Path | None = None  # each rank's finish() leaves its final state here
     output_dir: Path | None = None  # each child's stdout+stderr in its own file; else inherited
     max_replacements: int = 3  # the same rank failing this often at one step fails the job
     max_incidents: int | None = None  # incidents recovered at most (None: no bound)
@@ -75,6 +77,12 @@ class AgentConfig:
                 Fault.parse(spec)
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
+        for rank, fault in self.fault_plan.entries:
+            if not 0 <= rank < self.nproc:
+                raise ConfigError(
+                    f"planned fault {rank}:{fault.point}@{fault.step}: rank outside "
+                    f"0..{self.nproc - 1}"
+                )
         log_url = self.log_url or f"sqlite://{Path.cwd() / 'runs' / job_id / 'log.db'}"
         if urlsplit(log_url).scheme == "memory":
             raise ConfigError("memory:// logs live in one process; the ranks need sqlite or kafka")

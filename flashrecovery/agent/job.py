@@ -22,16 +22,18 @@ from flashrecovery.agent.store import JobStore
 from flashrecovery.agent.supervisor import Child, Supervisor
 from flashrecovery.chain import seal
 from flashrecovery.connectors import open_log
-from flashrecovery.connectors.follow import StreamCursor
+from flashrecovery.connectors.follow import StreamCursor, append_through_outage
 from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.errors import LogError
 from flashrecovery.observe.exporter import MetricsServer
 from flashrecovery.records import Decision, Envelope, JobFinished, JobStarted, RankExited, Stream
+from flashrecovery.trainer_hooks import final_state
 
 log = structlog.get_logger("flashrecovery.agent")
 FOLLOW_TIMEOUT_S = 0.1  # how often the agent looks at its children between decisions
 STORE_TIMEOUT = datetime.timedelta(seconds=60)
 STUCK_AFTER_S = 120.0  # a rank has had no live process this long: nothing will recover it
+LOG_OUTAGE_S = 60.0  # how long a record is retried while the log is away
 
 
 class Interrupted(BaseException):
@@ -215,6 +217,16 @@ class Agent:
             "FLASHRECOVERY_LOG": self.log_url,
             "FLASHRECOVERY_HEARTBEAT_INTERVAL": str(self.config.heartbeat_interval_s),
             "FLASHRECOVERY_SHARDS": str(self.config.shards),
+            **(
+                {"FLASHRECOVERY_FAULT_PLAN": self.config.fault_plan.spec()}
+                if self.config.fault_plan.entries
+                else {}
+            ),
+            **(
+                {final_state.ENV: str(self.config.final_state_dir.resolve())}
+                if self.config.final_state_dir
+                else {}
+            ),
         }
 
     def _on_exit(self, child: Child, code: int) -> None:
@@ -233,7 +245,9 @@ class Agent:
         )
 
     def _report(self, record: Envelope) -> None:
-        self._log.append(Stream.EVENTS, record)
+        """What the agent tells is part of the protocol (an exit, an activation): ride out a
+        log outage rather than lose it."""
+        append_through_outage(self._log, Stream.EVENTS, record, LOG_OUTAGE_S)
 
 
 _Handler = signal.Handlers | int | None | object

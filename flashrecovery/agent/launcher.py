@@ -9,6 +9,7 @@ from pathlib import Path
 from flashrecovery.agent.config import SPARE_REFILL, AgentConfig
 from flashrecovery.errors import ConfigError
 from flashrecovery.observe.exporter import add_metrics_port
+from flashrecovery.trainer_hooks.faults import FaultPlan
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,11 +83,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_metrics_port(parser)
     parser.add_argument(
+        "--final-state",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="each rank's session.finish() writes the digest of its final parameters to "
+        "DIR/rank<r>.json (for a bitwise comparison of runs: `flashrecovery chaos`)",
+    )
+    parser.add_argument(
         "--fault",
         action="append",
         default=[],
         metavar="RANK:POINT@STEP",
         help="test only: inject a fault into a rank, e.g. 1:after_reduce@3",
+    )
+    parser.add_argument(
+        "--fault-once",
+        action="append",
+        default=[],
+        metavar="RANK:POINT@STEP",
+        help="test only: a fault that fires once in whichever process holds RANK when it "
+        "reaches POINT at STEP (a replacement too), e.g. 1:donor_send@7",
     )
     parser.add_argument("script", type=Path, help="the training script")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
@@ -100,6 +117,13 @@ def _faults(specs: list[str]) -> dict[int, str]:
             raise ConfigError(f"--fault {spec!r}: expected RANK:POINT@STEP")
         faults[int(rank)] = fault
     return faults
+
+
+def _fault_plan(specs: list[str]) -> FaultPlan:
+    try:
+        return FaultPlan.parse(",".join(specs))
+    except ValueError as exc:
+        raise ConfigError(f"--fault-once: {exc}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -118,6 +142,8 @@ def run(args: argparse.Namespace) -> int:
                 stall_floor_s=args.stall_timeout,
                 external_engine=args.external_engine,
                 faults=_faults(args.fault),
+                fault_plan=_fault_plan(args.fault_once),
+                final_state_dir=args.final_state,
                 output_dir=args.output_dir,
                 max_replacements=args.max_replacements,
                 max_incidents=args.max_incidents,

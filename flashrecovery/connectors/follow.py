@@ -9,6 +9,7 @@ A reader never crashes on an outage and never spins; it decides itself how long 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -16,7 +17,7 @@ import structlog
 
 from flashrecovery.connectors.base import Entry, LogConnector
 from flashrecovery.errors import LogError
-from flashrecovery.records import Stream
+from flashrecovery.records import Envelope, Stream
 
 log = structlog.get_logger("flashrecovery.log")
 
@@ -86,3 +87,27 @@ class StreamCursor:
         if entries:
             self.position = entries[-1].position + 1
         return entries
+
+
+def append_through_outage(
+    connector: LogConnector,
+    stream: Stream,
+    record: Envelope,
+    patience_s: float,
+    retry: RetryPolicy = RETRY,
+) -> int:
+    """Append, retrying by ``retry`` while the log is away (a broker restart) for up to
+    ``patience_s``: what a writer that must not lose a record does. Safe to retry: a refused
+    append stored nothing (every backend settles an append before it answers), so the record
+    is stored once. Raises the last LogError when patience runs out."""
+    deadline = time.monotonic() + patience_s
+    delay = 0.0
+    while True:
+        try:
+            return connector.append(stream, record)
+        except LogError as exc:
+            delay = retry.next_delay(delay)
+            if time.monotonic() + delay > deadline:
+                raise
+            log.warning("log unavailable, retrying an append", error=str(exc), retry_in_s=delay)
+            time.sleep(delay)

@@ -35,6 +35,7 @@ _CLIENTS = {"producer": KafkaProducer, "consumer": KafkaConsumer, "admin": Kafka
 _CLIENT_DEFAULTS: dict[str, Mapping[str, Any]] = {
     name: client.DEFAULT_CONFIG for name, client in _CLIENTS.items()
 }
+RECONNECT_BACKOFF_MAX_MS = 1000
 _OWN = {"topic_prefix", "partitions", "replication_factor", "timeout_s"}
 _SECRET = re.compile(r"((?:password|token|secret)[^=&]*=)[^&]*", re.IGNORECASE)
 
@@ -121,6 +122,9 @@ class KafkaSettings:
             "client_id": f"flashrecovery-{client}",
             "bootstrap_timeout_ms": bound_ms,
             "request_timeout_ms": bound_ms,
+            # A restarted broker is found again within a second (kafka-python backs off up to
+            # 30 s), so heartbeats resume before the engine judges the silence of the outage.
+            "reconnect_backoff_max_ms": RECONNECT_BACKOFF_MAX_MS,
         }
         if client == "producer":
             # acks=all + idempotence: a retried send after a broker hiccup is stored once.

@@ -15,6 +15,7 @@ import json
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -110,9 +111,17 @@ def render(spec: JobSpec, watch: JobWatch, killer: Killer, title: str) -> Render
 
 
 def execute(
-    spec: JobSpec, kills: list[Kill], console: Console, title: str, timeout: float
+    spec: JobSpec,
+    kills: list[Kill],
+    console: Console,
+    title: str,
+    timeout: float,
+    on_round: Callable[[LaunchedJob, JobWatch], str | None] = lambda job, watch: None,
+    at_end: Callable[[LaunchedJob, JobWatch], None] = lambda job, watch: None,
 ) -> int | None:
-    """Run one job to its end (or the timeout), killing as planned; returns the agent's code."""
+    """Run one job to its end (or the timeout), killing as planned; returns the agent's code.
+    ``on_round`` acts once per round of the watch (what it says is printed); ``at_end`` runs
+    once the agent has ended, before whatever it left behind is ended."""
     with open_log(spec.log_url) as log, LaunchedJob(spec) as job:
         watch = JobWatch(log, spec.job_id)
         killer = Killer(job, kills)
@@ -122,7 +131,10 @@ def execute(
 
             def show(fired: Kill | None) -> None:
                 if fired is not None:
-                    live.console.print(f"[red]SIGKILL[/] {fired.describe()}")
+                    live.console.print(f"[red]{fired.sig.name}[/] {fired.describe()}")
+                said = on_round(job, watch)
+                if said:
+                    live.console.print(said)
                 live.update(render(spec, watch, killer, title))
 
             returncode = follow(job, watch, killer, timeout, show)
@@ -130,6 +142,7 @@ def execute(
         if returncode != 0:
             console.print(f"[red]{title}: the agent ended with {returncode}[/]; its output:")
             console.print(job.output_tail(), markup=False, highlight=False)
+        at_end(job, watch)
         return returncode
 
 

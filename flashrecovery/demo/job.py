@@ -34,8 +34,10 @@ class JobSpec:
     steps: int
     seed: int = 0
     min_step_s: float = 0.0
-    agent_args: tuple[str, ...] = ()  # more `flashrecovery run` options
+    agent_args: tuple[str, ...] = ()  # more `flashrecovery run` options (faults, engine…)
     parallel: str = "hook"  # who reduces the gradients: the hook, or torch DDP (train.py)
+    script: Path | None = None  # a user's script instead of the demo's model
+    script_args: tuple[str, ...] = ()
 
     def command(self) -> list[str]:
         return [
@@ -53,6 +55,13 @@ class JobSpec:
             self.job_id,
             *(("--shards", str(HSDP_SHARDS)) if self.parallel == "hsdp" else ()),
             *self.agent_args,
+            *self.script_command(),
+        ]
+
+    def script_command(self) -> list[str]:
+        if self.script is not None:
+            return [str(self.script), *self.script_args]
+        return [
             str(TRAIN_SCRIPT),
             "--steps",
             str(self.steps),
@@ -107,14 +116,14 @@ class LaunchedJob:
             return {}
         return {p.pid: p for p in children}
 
-    def kill_descendant(self, pid: int) -> float | None:
-        """SIGKILL one process of this job; the unix time it was sent, or None if the process
-        is not (or no longer) ours."""
+    def kill_descendant(self, pid: int, sig: signal.Signals = signal.SIGKILL) -> float | None:
+        """Send ``sig`` (SIGKILL unless told) to one process of this job; the unix time it was
+        sent, or None if the process is not (or no longer) ours."""
         process = self.descendants().get(pid)
         if process is None:
             return None
         try:
-            process.send_signal(signal.SIGKILL)
+            process.send_signal(sig)
         except psutil.NoSuchProcess:
             return None
         return time.time()

@@ -126,7 +126,14 @@ def incidents(log: LogConnector, job_id: str, kills: list[Kill]) -> dict[str, An
     unmatched = [k for k in kills if k.outcome == "killed"]
     rows = []
     for incident, row in zip(report.state.incidents, report.incidents(), strict=True):
-        kill = next((k for k in unmatched if k.rank == incident.failed_rank), None)
+        kill = next(
+            (
+                k
+                for k in unmatched
+                if k.rank == incident.failed_rank and (k.ts or 0.0) <= incident.detected.ts
+            ),
+            None,
+        )  # the first kill of that rank sent before the incident was detected
         if kill is not None:
             unmatched.remove(kill)
         close = closures.get(incident.incident_id)

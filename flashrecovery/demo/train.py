@@ -23,9 +23,10 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from flashrecovery.demo.data import BLOCK_SIZE, batch_for, vocabulary
 from flashrecovery.demo.job import HSDP_SHARDS, PARALLEL
-from flashrecovery.demo.model import GPTConfig, TinyGPT, lm_loss, parameters_sha256
+from flashrecovery.demo.model import GPTConfig, TinyGPT, lm_loss
 from flashrecovery.demo.results import RankResult
 from flashrecovery.trainer_hooks import init
+from flashrecovery.trainer_hooks.final_state import parameters_sha256
 
 LEARNING_RATE = 1e-3
 WARMUP_STEPS = 10  # linear learning-rate warm-up
@@ -95,25 +96,25 @@ def main(argv: list[str] | None = None) -> int:
     losses: dict[int, float] = {}
     step_times: list[float] = []  # commit to commit: the hook's own work between steps counts
     last = time.perf_counter()
-    for step in session.steps(args.steps):
-        started = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        x, y = batch_for(step, session.rank, session.world_size)
-        loss = lm_loss(forward(x), y)
-        loss.backward()
-        time.sleep(max(0.0, args.min_step_s - (time.perf_counter() - started)))
-        value = loss.item()
-        committed = session.commit(loss=value)
-        now = time.perf_counter()
-        if committed:
-            if ours:
-                optimizer.step()
-            schedule.step()
-            losses[step] = value
-            step_times.append(now - last)
-        last = now
-    digest = parameters_sha256(model)  # sharded: gathered over the job's groups, still up
-    session.finish()  # a spare never assigned does not get here: the agent ends it
+    with session:  # an exception is reported at once; a spare never assigned stays inside
+        for step in session.steps(args.steps):
+            started = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            x, y = batch_for(step, session.rank, session.world_size)
+            loss = lm_loss(forward(x), y)
+            loss.backward()
+            time.sleep(max(0.0, args.min_step_s - (time.perf_counter() - started)))
+            value = loss.item()
+            committed = session.commit(loss=value)
+            now = time.perf_counter()
+            if committed:
+                if ours:
+                    optimizer.step()
+                schedule.step()
+                losses[step] = value
+                step_times.append(now - last)
+            last = now
+        digest = parameters_sha256(model)  # sharded: gathered over the groups, still up
     RankResult(
         rank=session.rank,
         pid=os.getpid(),

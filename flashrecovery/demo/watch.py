@@ -8,6 +8,7 @@ how a machine or process failure looks to everyone else.
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,8 +17,9 @@ from flashrecovery.connectors.base import LogConnector
 from flashrecovery.connectors.follow import StreamCursor
 from flashrecovery.demo.job import LaunchedJob
 from flashrecovery.engine.ingest import ingest
+from flashrecovery.engine.lease import LeaseBook
 from flashrecovery.engine.state import EngineState
-from flashrecovery.records import JobFinished, RankJoined, Stream
+from flashrecovery.records import EngineLease, JobFinished, RankJoined, Stream
 
 POLL_S = 0.05  # longest wait for new records before the killer looks again
 
@@ -31,6 +33,7 @@ class JobWatch:
         self.state = EngineState(job_id)
         self.joined_pids: dict[int, int] = {}  # the generation-0 process of each rank
         self.finished: JobFinished | None = None
+        self.leases = LeaseBook()  # which engine decides, with --external-engine
         self.last_record = ""
         self._events = StreamCursor(log, Stream.EVENTS, job_id)
 
@@ -42,6 +45,8 @@ class JobWatch:
             record = entry.record
             if isinstance(record, RankJoined):
                 self.joined_pids[record.rank] = record.pid
+            elif isinstance(record, EngineLease):
+                self.leases.observe(record)
             elif isinstance(record, JobFinished):
                 self.finished = record
             if record is not None and record.type not in ("heartbeat", "step_completed"):
@@ -77,10 +82,12 @@ class JobWatch:
 
 @dataclass
 class Kill:
-    """Kill ``rank`` once it works on ``step`` (it has committed step - 1)."""
+    """Kill ``rank`` once it works on ``step`` (it has committed step - 1); ``sig`` may be
+    another signal (SIGSTOP: a hung process)."""
 
     rank: int
     step: int
+    sig: signal.Signals = signal.SIGKILL
     pid: int | None = None
     committed: int | None = None  # the rank's committed step when the signal went out
     ts: float | None = None  # unix time of the SIGKILL
@@ -137,7 +144,7 @@ class Killer:
             return None
         self.due_since = None
         kill.pid, kill.committed = watch.pid_of(kill.rank), committed
-        kill.ts = None if kill.pid is None else self.job.kill_descendant(kill.pid)
+        kill.ts = None if kill.pid is None else self.job.kill_descendant(kill.pid, kill.sig)
         kill.outcome = "missed" if kill.ts is None else "killed"
         return kill
 

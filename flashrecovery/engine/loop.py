@@ -36,6 +36,7 @@ from flashrecovery.records import (
 )
 
 log = structlog.get_logger("flashrecovery.engine")
+LOG_STALL_S = 1.0  # a read held up this much longer than asked means the log was away
 
 
 class EngineLoop:
@@ -64,6 +65,8 @@ class EngineLoop:
         self._due: list[Decision] = []  # decided, not yet written (a standby keeps them)
         self._written: set[str] = set()
         self._reported: set[detectors.FindingKey] = set()
+        self._log_away = False  # the last attempt to use the log failed
+        self._judge_silence_after = 0.0  # see detect()
         self._stop = threading.Event()
         self._events = StreamCursor(self.log, Stream.EVENTS, job_id, stop=self._stop)
         self._thread: threading.Thread | None = None
@@ -153,6 +156,8 @@ class EngineLoop:
         if not self.is_leader():
             return []
         now = self.clock()
+        if now < self._judge_silence_after:
+            return []  # the heartbeats sent while the log was away may be lost with it
         found: list[Envelope] = []
         for record in detectors.fresh_findings(self.state, now, self._reported):
             self.log.append(Stream.EVENTS, record)
@@ -162,11 +167,20 @@ class EngineLoop:
         return found
 
     def step(self, timeout: float) -> int:
+        began, failed_before = self.clock(), self._events.last_error
         self.claim()
         entries = self._events.poll(timeout)
         count = self.apply(entries)
         if not entries:
             self._flush()  # a standby whose predecessor's lease just ran out takes over here
+        away = self._log_away or self._events.last_error is not failed_before
+        if away or self.clock() - began > timeout + LOG_STALL_S:
+            # The log was away (an error, or it held this step up): the ranks' beats meanwhile
+            # may be lost or late, so silence is judged afresh, a silence limit from now.
+            self._log_away = False
+            config = self.state.config
+            limit = config.missed_heartbeats * config.heartbeat_interval_s if config else 0.0
+            self._judge_silence_after = self.clock() + limit
         self.detect()
         return count
 
@@ -187,6 +201,7 @@ class EngineLoop:
                 self.step(self.poll_s)
                 backoff = 0.0
             except LogError as exc:
+                self._log_away = True
                 backoff = RETRY.next_delay(backoff)
                 log.warning("log unavailable, retrying", error=str(exc), retry_in_s=backoff)
                 self._stop.wait(backoff)

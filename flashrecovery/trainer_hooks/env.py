@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from flashrecovery.errors import LaunchError
-from flashrecovery.trainer_hooks.faults import Fault
+from flashrecovery.trainer_hooks import final_state
+from flashrecovery.trainer_hooks.faults import Fault, FaultPlan
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,8 @@ class LaunchEnv:
     generation: int
     replacement: bool
     fault: Fault | None
+    fault_plan: FaultPlan
+    final_state_dir: Path | None  # where finish() leaves the final state (final_state.py)
     shards: int = 1  # rank r holds model shard r % shards
 
     @classmethod
@@ -61,6 +65,8 @@ class LaunchEnv:
                 fault=Fault.parse(env["FLASHRECOVERY_FAULT"])
                 if env.get("FLASHRECOVERY_FAULT")
                 else None,
+                fault_plan=FaultPlan.parse(env.get("FLASHRECOVERY_FAULT_PLAN", "")),
+                final_state_dir=Path(env[final_state.ENV]) if env.get(final_state.ENV) else None,
             )
         except ValueError as exc:
             raise LaunchError(f"bad launch environment: {exc}") from None

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Protocol, cast
 
 import torch
@@ -19,6 +20,7 @@ import torch.distributed as dist
 # Bounds every collective and the rendezvous of a new group; a hung peer is found earlier by
 # the heartbeat detector and SIGKILLed, which breaks its peers' collectives at once.
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
+RENDEZVOUS_SLICE = datetime.timedelta(seconds=0.1)  # how soon a lost peer's supersession shows
 
 
 class Group(Protocol):
@@ -47,12 +49,52 @@ def connect_store(host: str, port: int, prefix: str) -> dist.Store:
     return job_keys(prefix, client)
 
 
-def build(store: dist.Store, generation: int, rank: int, world_size: int) -> Group:
+class _Rendezvous(dist.Store):
+    """The store a new group's rendezvous goes through. gloo waits for every peer inside its
+    constructor while holding the GIL, which would silence this process's heartbeats for as long
+    as a lost peer is awaited; here every wait is a loop of short store waits (which release the
+    GIL) that gives up as soon as ``superseded()`` holds: a newer generation is planned."""
+
+    def __init__(self, inner: dist.Store, superseded: Callable[[], bool], what: str) -> None:
+        super().__init__()
+        self._inner = inner
+        self._superseded = superseded
+        self._what = what
+
+    def set(self, key: str, value: str) -> None:
+        self._inner.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        return self._inner.get(key)
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta = COLLECTIVE_TIMEOUT) -> None:
+        deadline = time.monotonic() + timeout.total_seconds()
+        while True:
+            if self._superseded():
+                raise dist.DistStoreError(f"{self._what} was superseded while its group formed")
+            try:
+                self._inner.wait(keys, RENDEZVOUS_SLICE)
+                return
+            except dist.DistStoreError:
+                if time.monotonic() > deadline:
+                    raise
+
+
+def build(
+    store: dist.Store,
+    generation: int,
+    rank: int,
+    world_size: int,
+    superseded: Callable[[], bool],
+) -> Group:
     """Rendezvous with every member of ``generation`` and return its gloo group. Call it once
-    the generation's member barrier has passed (barrier.py), so every peer is there. Gloo
-    listens on the interface GLOO_SOCKET_IFNAME names (loopback: agent/store.py)."""
+    the generation's member barrier has passed (barrier.py), so every peer is there; a peer
+    lost after that is given up on once ``superseded()`` says a newer generation is planned.
+    Gloo listens on the interface GLOO_SOCKET_IFNAME names (loopback: agent/store.py)."""
     prefixed = dist.PrefixStore(f"gen/{generation}/", store)
-    return cast(Group, dist.ProcessGroupGloo(prefixed, rank, world_size, COLLECTIVE_TIMEOUT))
+    rendezvous = _Rendezvous(prefixed, superseded, f"generation {generation}")
+    return cast(Group, dist.ProcessGroupGloo(rendezvous, rank, world_size, COLLECTIVE_TIMEOUT))
 
 
 def drop(group: Group) -> None:

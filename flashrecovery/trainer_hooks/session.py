@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from flashrecovery.connectors import open_log
+from flashrecovery.connectors.follow import append_through_outage
 from flashrecovery.errors import ConfigError, ProtocolError, ReplacedError
 from flashrecovery.records import (
     CollectiveError,
@@ -43,7 +44,16 @@ from flashrecovery.records import (
     StepCompleted,
     Stream,
 )
-from flashrecovery.trainer_hooks import barrier, ddp, groups, rng, stable_group, transfer, vote
+from flashrecovery.trainer_hooks import (
+    barrier,
+    ddp,
+    final_state,
+    groups,
+    rng,
+    stable_group,
+    transfer,
+    vote,
+)
 from flashrecovery.trainer_hooks.decisions import DecisionFollower
 from flashrecovery.trainer_hooks.env import LaunchEnv
 from flashrecovery.trainer_hooks.gradients import ReducedGradients
@@ -269,17 +279,14 @@ class Session:
         if step is None:
             raise RuntimeError("session.commit() outside a step of session.steps()")
         assert self._group is not None and self._model is not None and self._optimizer is not None
-        fault = self._env.fault
-        if fault is not None:
-            fault.check("before_reduce", step)
+        self._fault("before_reduce", step)
         self._waiting = True  # heartbeats now say: held up by the peers, if anyone
         try:
             reduced = None
             if not self._stable.in_use:
                 params = [p for p in self._model.parameters() if p.requires_grad]
                 reduced = ReducedGradients.reduce(self._group, params)
-            if fault is not None:
-                fault.check("after_reduce", step)
+            self._fault("after_reduce", step)
             failure = self._stable.error()  # a collective of the user's failed this step
         except RuntimeError as exc:  # a peer vanished: gloo fails within milliseconds
             failure = str(exc)
@@ -316,14 +323,20 @@ class Session:
         session's threads. A member lost after the last commit is replaced meanwhile like any
         other (this rank may be its donor), so the job still ends with every rank."""
         if self._rank is not None:
-            if self._env.fault is not None:
-                self._env.fault.check("finish", self._committed_step)
+            self._fault("finish", self._committed_step)
             try:
                 while not self._barrier(self._generation, "done"):
                     self._recover()
             except dist.DistStoreError:
                 pass  # a member never came: nothing left to train, report what this rank holds
             self._append(RankFinished, rank=self._rank, step=self._committed_step)
+            if self._env.final_state_dir is not None and self._model is not None:
+                final_state.FinalState(
+                    self._rank,
+                    self._pid,
+                    self._committed_step,
+                    final_state.parameters_sha256(self._model),
+                ).write(self._env.final_state_dir)
         self._close()
 
     def __enter__(self) -> Session:
@@ -365,12 +378,16 @@ class Session:
         newer generation is planned) ends it. Yields whether that already happened."""
         with self._release_lock:
             self._release = (self._generation, release)
-            superseded = self._follower.latest_generation > self._generation
+            superseded = self._superseded()
         try:
             yield superseded
         finally:
             with self._release_lock:
                 self._release = None
+
+    def _superseded(self) -> bool:
+        """Whether the engine planned a generation newer than the one this rank joins."""
+        return self._follower.latest_generation > self._generation
 
     def _on_regroup(self, generation: int) -> None:
         with self._release_lock:
@@ -413,7 +430,9 @@ class Session:
                 raise ReplacedError(f"rank {self.rank} was declared failed and replaced")
             self._generation = generation
             try:
+                self._fault("regroup", self._committed_step)
                 if self._barrier(generation, "members"):
+                    self._fault("group_build", self._committed_step)
                     self._form(generation)
                     self._append(
                         RankRegrouped,
@@ -455,7 +474,12 @@ class Session:
             state = self._state()
             for recipient in plan.recipients:
                 if self._shard_of(recipient) == shard:
-                    transfer.send(self._group, recipient, state)
+                    transfer.send(
+                        self._group,
+                        recipient,
+                        state,
+                        after_header=lambda: self._fault("donor_send", self._committed_step),
+                    )
         elif self.rank in plan.recipients:
             started = time.perf_counter()
             state, size = transfer.recv(self._group, donor, self._mesh)
@@ -494,7 +518,9 @@ class Session:
 
     def _form(self, generation: int) -> None:
         """Build the generation's groups: the hook's own, then the user's stable ones."""
-        self._group = groups.build(self._store, generation, self.rank, self.world_size)
+        self._group = groups.build(
+            self._store, generation, self.rank, self.world_size, self._superseded
+        )
         self._stable.attach(self._store, generation)
 
     def _drop_group(self) -> None:
@@ -503,10 +529,23 @@ class Session:
         if group is not None:
             groups.drop(group)
 
+    # ------------------------------------------------------------------ faults (tests)
+
+    def _fault(self, where: str, step: int) -> None:
+        """Fail here if a test planned it (trainer_hooks/faults.py)."""
+        if self._env.fault is not None:
+            self._env.fault.check(where, step)
+        if self._rank is not None:
+            self._env.fault_plan.check(
+                where, self._rank, step, lambda index: self._store.add(f"fault/{index}", 1) == 1
+            )
+
     # ------------------------------------------------------------------ records
 
     def _append(self, cls: type[Envelope], **fields: Any) -> None:
-        self._log.append(Stream.EVENTS, cls(**self._envelope(), **fields))
+        """Every record but a heartbeat is part of the protocol: ride out a log outage."""
+        record = cls(**self._envelope(), **fields)
+        append_through_outage(self._log, Stream.EVENTS, record, RECOVERY_TIMEOUT_S)
 
     def _envelope(self) -> dict[str, Any]:
         source = f"rank:{self._rank}" if self._rank is not None else f"spare:{self._env.spare_id}"

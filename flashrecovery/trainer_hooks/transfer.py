@@ -11,6 +11,7 @@ recipient's own mesh: a replica of the same shard holds the same local shapes.
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,13 +87,17 @@ def _unpack(skeleton: Any, payload: torch.Tensor, mesh: DeviceMesh | None) -> An
     return skeleton
 
 
-def send(group: Group, dst: int, state: Any) -> int:
-    """Send ``state`` to rank ``dst``; returns the bytes sent."""
+def send(
+    group: Group, dst: int, state: Any, after_header: Callable[[], object] = lambda: None
+) -> int:
+    """Send ``state`` to rank ``dst``; returns the bytes sent. ``after_header`` runs between
+    the first message and the others (where a test kills a donor mid-transfer)."""
     chunks: list[torch.Tensor] = []
     skeleton = pickle.dumps(_pack(state, chunks, [0]))
     payload = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
     header = torch.tensor([len(skeleton), payload.numel()], dtype=torch.int64)
     group.send([header], dst, _HEADER).wait()
+    after_header()
     group.send([torch.frombuffer(bytearray(skeleton), dtype=torch.uint8)], dst, _SKELETON).wait()
     if payload.numel():
         group.send([payload], dst, _PAYLOAD).wait()

@@ -6,11 +6,14 @@ when the log shows it committed a given step; then it checks that no process of 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +23,9 @@ import torch
 
 from flashrecovery.agent import Agent, AgentConfig
 from flashrecovery.connectors import LogConnector, open_log
+from flashrecovery.connectors.follow import StreamCursor
 from flashrecovery.records import Envelope, Stream
+from flashrecovery.trainer_hooks.faults import FaultPlan
 
 SCRIPT = Path(__file__).parent.parent / "scripts" / "train_mlp.py"
 EXAMPLES = Path(__file__).parent.parent.parent / "examples"
@@ -69,6 +74,29 @@ class Processes:
 Scenario = Callable[[Envelope, Processes], bool]
 
 
+ENGINE = [sys.executable, "-m", "flashrecovery.cli", "engine", "--lease-ttl", "1.0"]
+
+
+@contextlib.contextmanager
+def engine_services(log_url: str) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
+    """Two `flashrecovery engine` services, "a" and "b", sharing the job; ended on the way out."""
+    engines = {
+        name: subprocess.Popen(
+            [*ENGINE, "--log", log_url, "--job", "live", "--engine-id", name],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for name in ("a", "b")
+    }
+    try:
+        yield engines
+    finally:
+        for proc in engines.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=30)
+
+
 def _alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -82,6 +110,7 @@ def run_job(
     nproc: int = WORLD,
     spares: int = 0,
     faults: dict[int, str] | None = None,
+    fault_plan: list[str] | None = None,
     kill_at: dict[int, int] | None = None,
     log_url: str | None = None,
     stall_floor_s: float = 5.0,
@@ -115,6 +144,7 @@ def run_job(
             stall_floor_s=stall_floor_s,
             external_engine=external_engine,
             faults=faults or {},
+            fault_plan=FaultPlan.parse(",".join(fault_plan or [])),
             output_dir=tmp_path / "output",
             max_replacements=max_replacements,
             spare_refill=spare_refill,
@@ -128,13 +158,12 @@ def run_job(
     log = open_log(agent.log_url)
     pending, known, killed = dict(kill_at or {}), Processes(), {}
     steps = list(scenario or [])
-    position = 0
+    events = StreamCursor(log, Stream.EVENTS, agent.job_id)  # rides out a broker restart
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while thread.is_alive():
         if time.monotonic() > deadline:
             agent.stop()
-        for entry in log.follow(Stream.EVENTS, agent.job_id, position, 0.2):
-            position = entry.position + 1
+        for entry in events.poll(0.2):
             record = entry.record
             assert record is not None, entry.error
             if record.type in ("rank_joined", "spare_activated", "replacement_spawned"):

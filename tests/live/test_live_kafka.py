@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from livejob import run_job
+from livejob import engine_services, run_job
 from test_live_recovery import assert_lossless, assert_survivors_kept
 
 from flashrecovery.connectors import open_log
@@ -22,7 +22,6 @@ from flashrecovery.engine.lease import LeaseBook
 from flashrecovery.records import EngineLease, RankJoined, StepCompleted, Stream
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(240)]
-ENGINE = [sys.executable, "-m", "flashrecovery.cli", "engine", "--lease-ttl", "1.0"]
 
 
 def test_kill_and_recover_with_the_log_on_kafka(
@@ -68,14 +67,6 @@ def test_engine_failover_while_a_live_job_recovers(
 ) -> None:
     """Two `flashrecovery engine` services share the job; the lease holder is SIGKILLed while
     the job trains, then a rank is SIGKILLed, and the standby handles that incident."""
-    engines = {
-        name: subprocess.Popen(
-            [*ENGINE, "--log", kafka_log_url, "--job", "live", "--engine-id", name],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        for name in ("a", "b")
-    }
     dead_engine: dict[str, float] = {}  # name -> the step at which it was killed
     kill_times: dict[str, float] = {}  # "engine" / "rank" -> when
 
@@ -101,8 +92,8 @@ def test_engine_failover_while_a_live_job_recovers(
                     kill_times["rank"] = time.time()
 
     killer = threading.Thread(target=kill_the_lease_holder_then_rank_1, daemon=True)
-    killer.start()
-    try:
+    with engine_services(kafka_log_url) as engines:
+        killer.start()
         job = run_job(
             tmp_path, spares=1, log_url=kafka_log_url, external_engine=True, step_time_s=0.1
         )
@@ -110,11 +101,6 @@ def test_engine_failover_while_a_live_job_recovers(
         [dead] = dead_engine
         standby = next(name for name in engines if name != dead)
         assert engines[standby].wait(timeout=60) == 0  # it served the job to its end
-    finally:
-        for proc in engines.values():
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(timeout=30)
     assert kill_times["engine"] < kill_times["rank"]  # the incident came after the holder died
     assert_lossless(job, reference, incidents=1)
     assert_survivors_kept(job, failed={1})

@@ -1,0 +1,182 @@
+"""Soak: many faults, in several `flashrecovery chaos` runs, and what recovery cost each kind.
+
+    python bench/soak.py [--faults 100] [--per-run 10] [--seed 0] [--quick]
+                         [--external-engine] [--kafka]
+
+Each run is the chaos command as a user runs it (its own seed, a fault-free reference, a seeded
+schedule); the verdicts are pooled: recovered %, RTO and detection p50/p99 per fault kind,
+committed steps lost, records stored twice, step records lost or duplicated, and how many runs
+completed bitwise equal to their reference with a clean replay and no process left. JSON goes to
+bench/results/soak.json, a table to the terminal, RTO per kind to bench/results/soak.png.
+``--quick`` (one run of four faults) is what CI can afford. It measures, it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from harness import RESULTS, machine, plt, table, write_json
+from log_throughput import percentile
+from rich.console import Console
+
+REPO = Path(__file__).resolve().parents[1]
+RUN_CHECKS = (
+    "completed",
+    "bitwise_equal_to_reference",
+    "replay_no_divergence",
+    "survivor_pids_unchanged",
+    "no_unplanned_incident",
+    "no_process_left",
+)
+
+
+def chaos(faults: int, seed: int, run_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """One `flashrecovery chaos` run; its verdict (or why there is none)."""
+    command = [
+        sys.executable, "-m", "flashrecovery.cli", "chaos",
+        "--faults", str(faults), "--seed", str(seed), "--gap", str(args.gap),
+        "--min-step-s", str(args.min_step_s), "--run-dir", str(run_dir), "--json",
+        *(["--external-engine"] if args.external_engine else []),
+        *(["--kafka"] if args.kafka else []),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    started = time.monotonic()
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=run_dir.parent)
+    seconds = time.monotonic() - started
+    try:
+        verdict: dict[str, Any] = json.loads(done.stdout)
+    except json.JSONDecodeError:
+        return {"seed": seed, "seconds": seconds, "error": done.stderr[-2000:]}
+    return {"seed": seed, "seconds": seconds, **verdict}
+
+
+def pool(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every fault of every run, per kind and in total."""
+    faults = [row for run in runs for row in run.get("faults", [])]
+    kinds: dict[str, dict[str, Any]] = {}
+    for kind in sorted({row["kind"] for row in faults}):
+        rows = [row for row in faults if row["kind"] == kind]
+        rtos = [row["rto_ms"] for row in rows if row["rto_ms"] is not None]
+        detections = [row["detection_ms"] for row in rows if row["detection_ms"] is not None]
+        kinds[kind] = {
+            "faults": len(rows),
+            "recovered": sum(row["recovered"] for row in rows),
+            "rto_p50_ms": statistics.median(rtos) if rtos else None,
+            "rto_p99_ms": percentile(rtos, 0.99) if rtos else None,
+            "detection_p50_ms": statistics.median(detections) if detections else None,
+            "committed_steps_lost": sum(row["committed_steps_lost"] for row in rows),
+        }
+    records = [run["records"] for run in runs if "records" in run]
+    return {
+        "faults": len(faults),
+        "recovered": sum(row["recovered"] for row in faults),
+        "recovered_pct": 100.0 * sum(row["recovered"] for row in faults) / max(1, len(faults)),
+        "committed_steps_lost": sum(row["committed_steps_lost"] for row in faults),
+        "records": sum(r["records"] for r in records),
+        "records_stored_twice": sum(r["duplicate_record_ids"] for r in records),
+        "step_records_missing": sum(r["step_records_missing"] for r in records),
+        "step_records_duplicated": sum(r["step_records_duplicated"] for r in records),
+        "runs": len(runs),
+        "runs_without_verdict": sum("error" in run for run in runs),
+        "runs_passing": {
+            check: sum(bool(run.get("checks", {}).get(check)) for run in runs)
+            for check in RUN_CHECKS
+        },
+        "kinds": kinds,
+    }
+
+
+def plot(kinds: dict[str, dict[str, Any]]) -> Path:
+    path = RESULTS / "soak.png"
+    labels = list(kinds)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(labels) + 2), 4.5))
+    x = range(len(labels))
+    for offset, key in ((-0.2, "rto_p50_ms"), (0.2, "rto_p99_ms")):
+        values = [(kinds[k][key] or 0.0) / 1000 for k in labels]
+        ax.bar([i + offset for i in x], values, width=0.4, label=key.split("_")[1])
+    ax.set_xticks(list(x), labels, rotation=30, ha="right")
+    ax.set_ylabel("RTO (s)")
+    ax.set_title("RTO per fault kind (fault → every rank committed a new step)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--faults", type=int, default=100)
+    parser.add_argument("--per-run", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0, help="the first run's; then +1 per run")
+    parser.add_argument("--gap", type=int, default=6)
+    parser.add_argument("--min-step-s", type=float, default=0.05)
+    parser.add_argument("--external-engine", action="store_true")
+    parser.add_argument("--kafka", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="one run of four faults")
+    args = parser.parse_args()
+    if args.quick:
+        args.faults, args.per_run = 4, 4
+    console = Console()
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
+        for index in range(math.ceil(args.faults / args.per_run)):
+            faults = min(args.per_run, args.faults - index * args.per_run)
+            run = chaos(faults, args.seed + index, Path(tmp) / f"run{index}", args)
+            runs.append(run)
+            state = "no verdict" if "error" in run else ("OK" if run["ok"] else "FAILED")
+            console.print(f"run {index} (seed {run['seed']}): {state} in {run['seconds']:.0f} s")
+    pooled = pool(runs)
+    data = {"machine": machine(), "args": vars(args), "pooled": pooled, "runs": runs}
+    json_path = write_json("soak", data)
+    rows = [
+        [
+            kind,
+            str(k["faults"]),
+            f"{100.0 * k['recovered'] / k['faults']:.0f} %",
+            _ms(k["detection_p50_ms"]),
+            _ms(k["rto_p50_ms"]),
+            _ms(k["rto_p99_ms"]),
+            str(k["committed_steps_lost"]),
+        ]
+        for kind, k in pooled["kinds"].items()
+    ]
+    rows.append(
+        [
+            "all",
+            str(pooled["faults"]),
+            f"{pooled['recovered_pct']:.0f} %",
+            "",
+            "",
+            "",
+            str(pooled["committed_steps_lost"]),
+        ]
+    )
+    columns = ["kind", "faults", "recovered", "detect p50 ms", "RTO p50 ms", "RTO p99 ms"]
+    console.print(table("soak", [*columns, "steps lost"], rows))
+    console.print(
+        f"records {pooled['records']}: stored twice {pooled['records_stored_twice']}, "
+        f"step records missing {pooled['step_records_missing']}, "
+        f"duplicated {pooled['step_records_duplicated']}"
+    )
+    passing = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in pooled["runs_passing"].items())
+    console.print(f"runs {pooled['runs']}: {passing}")
+    console.print(f"wrote {json_path} and {plot(pooled['kinds'])}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,443 @@
+"""Run a job under a seeded random schedule of faults and check that it recovered from each.
+
+`flashrecovery chaos [--faults N] [--seed S] [--spares S] [--log URL] [--json] [script args]`
+runs the demo model (or the given script) once fault-free for reference, then again under the
+schedule: SIGKILL, SIGSTOP, a raised exception, a stalled rank, kills inside a recovery (the
+donor, the replacement, a second member while regrouping or while the group forms), and with
+``--external-engine`` the deciding engine SIGKILLed mid-incident, on a broker it started
+itself (``--kafka``) a broker restart mid-incident. It prints per fault the detection time, RTO,
+committed steps lost and whether it was recovered, then the checks: completion, final parameters
+bitwise equal to the reference, replay with no divergence, survivors' PIDs, no process left. The
+exit status is 1 if any check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+from rich.console import Console
+from rich.table import Table
+
+from flashrecovery.chaos import schedule
+from flashrecovery.chaos.schedule import (
+    IDLE_SPARE_SIGNAL,
+    MID_INCIDENT,
+    OUTSIDE_SIGNAL,
+    PlannedFault,
+)
+from flashrecovery.chaos.verdict import Sent, judge
+from flashrecovery.connectors import LogError, open_log
+from flashrecovery.connectors.kafka_broker import KafkaBroker
+from flashrecovery.demo.cli import execute
+from flashrecovery.demo.job import JobSpec, LaunchedJob
+from flashrecovery.demo.watch import JobWatch, Kill
+from flashrecovery.records import Stream
+from flashrecovery.trainer_hooks import final_state
+
+FIRST_STEP = 4  # the first fault's step: the spares have had time to warm up
+LEFT_GRACE_S = 10.0  # an orphan ends itself within a second of its agent; give it this long
+ENGINE_LEASE_TTL_S = 1.0
+ENGINE = [sys.executable, "-m", "flashrecovery.cli", "engine"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--faults", type=int, default=6, help="faults to inject (default 6)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the schedule (default 0)")
+    parser.add_argument("--nproc", type=int, default=3, help="ranks (default 3)")
+    parser.add_argument("--spares", type=int, default=2, help="hot spares (default 2)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        help="steps the job trains (default: room for every fault); with a script, the steps "
+        "it trains (required)",
+    )
+    parser.add_argument("--gap", type=int, default=8, help="steps between two faults (default 8)")
+    parser.add_argument(
+        "--kinds",
+        help="comma-separated fault kinds to draw from (default: all this job can take): "
+        + ", ".join(schedule.KINDS),
+    )
+    parser.add_argument("--log", help="log URL (default: sqlite log in the run dir)")
+    parser.add_argument(
+        "--kafka",
+        action="store_true",
+        help="start a Kafka broker of its own for the log (Java and Maven needed); the "
+        "schedule may then restart it mid-incident",
+    )
+    parser.add_argument(
+        "--external-engine",
+        action="store_true",
+        help="decide from two `flashrecovery engine` services sharing a lease; the schedule "
+        "may then SIGKILL the deciding one mid-incident",
+    )
+    parser.add_argument("--heartbeat-interval", type=float, default=1.0, metavar="SEC")
+    parser.add_argument("--stall-timeout", type=float, default=5.0, metavar="SEC")
+    parser.add_argument(
+        "--min-step-s",
+        type=float,
+        default=0.1,
+        help="pad each demo step to this wall time (default 0.1)",
+    )
+    parser.add_argument("--run-dir", type=Path, help="default: runs/chaos-<time>")
+    parser.add_argument("--timeout", type=float, default=600.0, help="per run, seconds")
+    parser.add_argument(
+        "--json", action="store_true", help="the verdict as JSON on stdout (progress on stderr)"
+    )
+    parser.add_argument("script", nargs="?", type=Path, help="a training script (default: demo)")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+
+
+@dataclass
+class Plan:
+    """The faults of one chaos run and what is done about them from outside."""
+
+    faults: list[PlannedFault]
+    sent: dict[int, Sent] = field(default_factory=dict)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Plan:
+        if args.faults < 0 or args.nproc < 2 or args.spares < 0 or args.gap < 3:
+            raise ValueError("--faults >= 0, --nproc >= 2, --spares >= 0 and --gap >= 3")
+        possible = schedule.available_kinds(
+            args.nproc, args.external_engine, args.kafka, args.spares
+        )
+        kinds = args.kinds.split(",") if args.kinds else possible
+        for kind in kinds:
+            if kind not in possible:
+                raise ValueError(
+                    f"fault kind {kind!r} is not possible in this job; possible: "
+                    + ", ".join(possible)
+                )
+        faults = schedule.draw(args.faults, args.seed, args.nproc, kinds, FIRST_STEP, args.gap)
+        plan = cls(faults)
+        for fault in faults:
+            if fault.kind in OUTSIDE_SIGNAL or fault.kind in MID_INCIDENT:
+                sig = OUTSIDE_SIGNAL.get(fault.kind, OUTSIDE_SIGNAL["sigkill"])
+                plan.sent[fault.index] = Sent(kill=Kill(fault.rank, fault.step, sig))
+        return plan
+
+    @property
+    def kills(self) -> list[Kill]:
+        return [s.kill for s in self.sent.values() if s.kill is not None]
+
+    def fault_plan(self) -> list[str]:
+        return [entry for fault in self.faults for entry in fault.plan]
+
+    def last_step(self) -> int:
+        return max((f.step for f in self.faults), default=0)
+
+
+class Engines:
+    """The `flashrecovery engine` services of a job: two share it once it has started (the
+    agent refuses a job id that has records already); one killed is replaced."""
+
+    def __init__(self, log_url: str, job_id: str, run_dir: Path) -> None:
+        self._log_url, self._job_id, self._run_dir = log_url, job_id, run_dir
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start_with(self, watch: JobWatch) -> None:
+        if not self.processes and watch.state.config is not None:
+            for _ in range(2):
+                self.start_one()
+
+    def start_one(self) -> None:
+        name = f"engine-{len(self.processes)}"
+        with (self._run_dir / f"{name}.out").open("wb") as out:
+            options = ["--log", self._log_url, "--job", self._job_id, "--engine-id", name]
+            self.processes[name] = subprocess.Popen(
+                [*ENGINE, *options, "--lease-ttl", str(ENGINE_LEASE_TTL_S)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+
+    def kill(self, name: str) -> bool:
+        process = self.processes.get(name)
+        if process is None or process.poll() is not None:
+            return False
+        process.kill()
+        process.wait()
+        self.start_one()  # a standby again for the next time
+        return True
+
+    def stop(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes.values():
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+@dataclass
+class OutsideFaults:
+    """Carries out what the killer does not: the engine kills and broker restarts, each once
+    the rank kill before it has opened an incident that is not closed yet, and the signals to
+    an idle spare, each once the job runs at its step with a spare ready."""
+
+    plan: Plan
+    engines: Engines | None
+    broker: KafkaBroker | None
+
+    def __call__(self, job: LaunchedJob, watch: JobWatch) -> str | None:
+        if self.engines is not None:
+            self.engines.start_with(watch)
+        return self._idle_spare(job, watch) or self._mid_incident(watch)
+
+    def _idle_spare(self, job: LaunchedJob, watch: JobWatch) -> str | None:
+        for fault in self.plan.faults:
+            sent = self.plan.sent.setdefault(fault.index, Sent())
+            if fault.kind not in IDLE_SPARE_SIGNAL or sent.spare is not None:
+                continue
+            ready = watch.state.ready_spares()
+            if watch.committed() < fault.step - 1 or not watch.running or not ready:
+                return None  # in order: a later one waits for this one
+            # The newest: the planner hands a rank to the oldest, which could be under way.
+            spare, sig = ready[-1], IDLE_SPARE_SIGNAL[fault.kind]
+            ts = job.kill_descendant(spare.pid, sig)
+            if ts is None:
+                return None  # gone meanwhile: try another next round
+            sent.spare = (spare.spare_id, spare.pid, ts)
+            return f"[red]{sig.name}[/] idle spare {spare.spare_id} (pid {spare.pid})"
+        return None
+
+    def _mid_incident(self, watch: JobWatch) -> str | None:
+        opened, closed = watch.incidents
+        for fault in self.plan.faults:
+            sent = self.plan.sent.get(fault.index)
+            if fault.kind not in MID_INCIDENT or sent is None or sent.mid_incident_ts:
+                continue
+            if sent.kill is None or sent.kill.outcome != "killed" or opened == closed:
+                continue
+            sent.mid_incident_ts = time.time()
+            if fault.kind == "engine_kill" and self.engines is not None:
+                holder = watch.leases.holder(time.time())
+                if holder is not None and self.engines.kill(holder):
+                    sent.engine_killed = holder
+                    return f"[red]SIGKILL[/] engine {holder} mid-incident"
+                sent.notes.append("no engine held the lease")
+            elif fault.kind == "broker_restart" and self.broker is not None:
+                self.broker.stop(keep_data=True)
+                self.broker.start()
+                return "[red]restarted[/] the Kafka broker mid-incident"
+        return None
+
+
+def _job_pids(log_url: str, job_id: str) -> set[int]:
+    with open_log(log_url) as log:
+        return {
+            pid
+            for entry in log.read(Stream.EVENTS, job_id)
+            if entry.record is not None and (pid := getattr(entry.record, "pid", None))
+        }
+
+
+def processes_left(log_url: str, job_id: str, since: float) -> list[int]:
+    """Processes of the job (every pid its log names) still running ``LEFT_GRACE_S`` after
+    its agent ended. Only processes started after the job began count (a pid may be reused)."""
+    pids = _job_pids(log_url, job_id)
+    alive: list[psutil.Process] = []
+    for pid in pids:
+        try:
+            process = psutil.Process(pid)
+            if process.create_time() >= since - 1 and process.status() != psutil.STATUS_ZOMBIE:
+                alive.append(process)
+        except psutil.NoSuchProcess:
+            continue
+    _, still = psutil.wait_procs(alive, timeout=LEFT_GRACE_S)
+    return sorted(p.pid for p in still)
+
+
+def _specs(
+    args: argparse.Namespace, plan: Plan, run_dir: Path, log_url: str
+) -> tuple[JobSpec, JobSpec]:
+    """The chaos job and its fault-free reference: same world, seed and steps."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    steps = args.steps or plan.last_step() + args.gap
+    script = args.script.resolve() if args.script else None
+    common: dict[str, Any] = {
+        "log_url": log_url,
+        "nproc": args.nproc,
+        "steps": steps,
+        "seed": args.seed,
+        "script": script,
+        "script_args": tuple(args.script_args),
+    }
+    options = ["--heartbeat-interval", str(args.heartbeat_interval)]
+    options += ["--stall-timeout", str(args.stall_timeout)]
+    chaos_options = [*options, "--final-state", str(run_dir / "final")]
+    chaos_options += ["--output-dir", str(run_dir / "output")]
+    for entry in plan.fault_plan():
+        chaos_options += ["--fault-once", entry]
+    if args.external_engine:
+        chaos_options.append("--external-engine")
+    job = JobSpec(
+        job_id=f"chaos-{stamp}-seed{args.seed}",
+        run_dir=run_dir,
+        spares=args.spares,
+        min_step_s=args.min_step_s,
+        agent_args=tuple(chaos_options),
+        **common,
+    )
+    reference = JobSpec(
+        job_id=f"{job.job_id}-reference",
+        run_dir=run_dir / "reference",
+        spares=0,
+        agent_args=(*options, "--final-state", str(run_dir / "reference" / "final")),
+        **common,
+    )
+    return job, reference
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        plan = Plan.from_args(args)
+        if args.script is not None and args.steps is None:
+            raise ValueError("with a script, say how many steps it trains: --steps N")
+        if args.steps is not None and args.steps <= plan.last_step():
+            raise ValueError(
+                f"--steps {args.steps}: the last fault lands at step {plan.last_step()}"
+            )
+        if args.kafka and args.log:
+            raise ValueError("--kafka starts a broker for the log: give no --log with it")
+    except ValueError as exc:
+        print(f"flashrecovery chaos: error: {exc}", file=sys.stderr)
+        return 2
+    run_dir = (args.run_dir or Path("runs") / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    console = Console(stderr=args.json)
+    broker = KafkaBroker() if args.kafka else None
+    try:
+        if broker is not None:
+            console.print("starting a Kafka broker…")
+            broker.start()
+        log_url = (
+            f"kafka://{broker.bootstrap}?timeout_s=30"
+            if broker
+            else args.log or f"sqlite://{run_dir / 'log.db'}"
+        )
+        job, reference = _specs(args, plan, run_dir, log_url)
+        verdict = _run_both(args, plan, job, reference, broker, console)
+    except LogError as exc:
+        print(f"flashrecovery chaos: error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if broker is not None:
+            broker.stop()
+    if args.json:
+        print(json.dumps(verdict, indent=2, sort_keys=True))
+    else:
+        print_verdict(verdict, console)
+    return 0 if verdict["ok"] else 1
+
+
+def _run_both(
+    args: argparse.Namespace,
+    plan: Plan,
+    job: JobSpec,
+    reference: JobSpec,
+    broker: KafkaBroker | None,
+    console: Console,
+) -> dict[str, Any]:
+    console.print(
+        f"[bold]flashrecovery chaos[/]: {job.nproc} ranks + {job.spares} hot spare(s), "
+        f"{job.steps} steps, {len(plan.faults)} fault(s), seed {args.seed}\nrun dir {job.run_dir}"
+    )
+    for fault in plan.faults:
+        console.print(f"  fault {fault.index}: {fault.kind}, {fault.describe()}")
+    execute(reference, [], console, "reference (fault-free)", args.timeout)
+    engines = Engines(job.log_url, job.job_id, job.run_dir) if args.external_engine else None
+    left: list[int] = []
+    started = time.time()
+
+    def at_end(launched: LaunchedJob, watch: JobWatch) -> None:
+        left.extend(processes_left(job.log_url, job.job_id, started))
+
+    try:
+        returncode = execute(
+            job,
+            plan.kills,
+            console,
+            "chaos",
+            args.timeout,
+            on_round=OutsideFaults(plan, engines, broker),
+            at_end=at_end,
+        )
+    finally:
+        if engines is not None:
+            engines.stop()
+    with open_log(job.log_url) as log:
+        return judge(
+            log,
+            job.job_id,
+            job.nproc,
+            job.steps,
+            plan.faults,
+            plan.sent,
+            returncode,
+            final_state.read(job.run_dir / "final", job.nproc),
+            final_state.read(reference.run_dir / "final", reference.nproc),
+            left,
+        )
+
+
+def _yes(flag: bool) -> str:
+    return "[green]yes[/]" if flag else "[red]NO[/]"
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def print_verdict(verdict: dict[str, Any], console: Console) -> None:
+    table = Table(title=f"chaos: {verdict['job_id']}", title_justify="left")
+    for column in ("#", "kind", "where", "detection ms", "RTO ms", "steps lost", "recovered"):
+        table.add_column(column, justify="right" if "ms" in column or column == "#" else "left")
+    table.add_column("notes")
+    for row in verdict["faults"]:
+        table.add_row(
+            str(row["index"]),
+            row["kind"],
+            row["where"],
+            _ms(row["detection_ms"]),
+            _ms(row["rto_ms"]),
+            str(row["committed_steps_lost"]),
+            _yes(row["recovered"]),
+            "; ".join(row["notes"]),
+        )
+    console.print(table)
+    for row in verdict["unplanned_incidents"]:
+        console.print(
+            f"unplanned incident {row['incident_id']}: rank {row['failed_rank']}, "
+            f"{row['reason']} ({row['state']})",
+            markup=False,
+        )
+    checks = Table(show_header=False, title="checks", title_justify="left")
+    checks.add_column()
+    checks.add_column()
+    faults = len(verdict["faults"])
+    checks.add_row("faults recovered", f"{verdict['recovered']}/{faults}")
+    for name, ok in verdict["checks"].items():
+        checks.add_row(name.replace("_", " "), _yes(ok))
+    console.print(checks)
+    records = verdict["records"]
+    console.print(
+        f"{records['records']} records; stored twice: {records['duplicate_record_ids']}; "
+        f"step records missing: {records['step_records_missing']}, "
+        f"twice: {records['step_records_duplicated']}"
+    )
+    if verdict["processes_left"]:
+        console.print(f"processes left: {verdict['processes_left']}")
+    result = "[green]OK[/]" if verdict["ok"] else "[red]FAILED[/]"
+    console.print(f"chaos verdict: {result}")

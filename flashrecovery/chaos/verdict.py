@@ -1,0 +1,220 @@
+"""What a chaos run proves, judged after the fact from its log, the ranks' final states and the
+faults it sent: per fault its detection time, RTO, committed steps lost and whether it was
+recovered; for the job, completion, bitwise equality with the fault-free reference, a replay
+with no divergence, the survivors' processes kept, and no process left behind."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from flashrecovery.chaos.schedule import IDLE_SPARE_SIGNAL, PlannedFault
+from flashrecovery.connectors.base import LogConnector
+from flashrecovery.demo.summary import incidents, loss_curve, process_history, step_losses
+from flashrecovery.demo.watch import Kill
+from flashrecovery.records import (
+    EngineLease,
+    JobFinished,
+    RetireSpare,
+    SpareActivated,
+    SpareReady,
+    Stream,
+)
+from flashrecovery.trainer_hooks.final_state import FinalState
+
+
+@dataclass
+class Sent:
+    """What the chaos command did from outside for one fault."""
+
+    kill: Kill | None = None  # the rank signalled (outside kinds, and mid-incident ones)
+    mid_incident_ts: float | None = None  # when the engine was killed / the broker restarted
+    engine_killed: str | None = None  # that engine's id
+    spare: tuple[int, int, float] | None = None  # the idle spare signalled: id, pid, when
+    notes: list[str] = field(default_factory=list)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 1)
+
+
+def _takeover_s(log: LogConnector, job_id: str, sent: Sent) -> float | None:
+    """From the engine's death to the first lease another engine took."""
+    if sent.mid_incident_ts is None:
+        return None
+    for entry in log.read(Stream.EVENTS, job_id):
+        lease = entry.record
+        if (
+            isinstance(lease, EngineLease)
+            and lease.engine_id != sent.engine_killed
+            and lease.ts >= sent.mid_incident_ts
+        ):
+            return lease.ts - sent.mid_incident_ts
+    return None
+
+
+def _records(log: LogConnector, job_id: str, nproc: int, steps: int) -> dict[str, int]:
+    """Records stored twice (one id at two positions), and each rank's step records: a step
+    committed with no record of it (lost), or recorded twice."""
+    ids = [
+        e.record.record_id
+        for stream in (Stream.EVENTS, Stream.DECISIONS)
+        for e in log.read(stream, job_id)
+        if e.record is not None
+    ]
+    curve = loss_curve(step_losses(log, job_id), nproc, steps)
+    return {
+        "records": len(ids),
+        "duplicate_record_ids": len(ids) - len(set(ids)),
+        "step_records_missing": sum(len(v) for v in curve["gaps"].values()),
+        "step_records_duplicated": sum(len(v) for v in curve["duplicates"].values()),
+    }
+
+
+def _spare_outcome(
+    log: LogConnector, job_id: str, sent: Sent
+) -> tuple[bool, list[str], float | None, float | None]:
+    """An idle spare signalled: recovered when no rank was handed to it afterwards and either
+    the engine retired it and a spare started in its place got ready (detection: the
+    retirement; RTO: that spare ready, from the signal) or the job ended before its silence
+    was due to be found."""
+    if sent.spare is None:
+        return False, ["no idle spare to signal"], None, None
+    spare_id, _, ts = sent.spare
+    decisions = [e.record for e in log.read(Stream.DECISIONS, job_id)]
+    events = [e.record for e in log.read(Stream.EVENTS, job_id)]
+    used = any(
+        isinstance(r, SpareActivated) and r.spare_id == spare_id and r.ts >= ts for r in events
+    )
+    retired = next(
+        (r.ts for r in decisions if isinstance(r, RetireSpare) and r.spare_id == spare_id), None
+    )
+    ready = next(
+        (
+            r.ts
+            for r in events
+            if isinstance(r, SpareReady) and r.spare_id > spare_id and r.ts >= (retired or ts)
+        ),
+        None,
+    )
+    ended = next((r.ts for r in events if isinstance(r, JobFinished)), None)
+    if used:
+        return False, [f"spare {spare_id} was handed a rank after the signal"], None, None
+    if retired is not None and ready is not None:
+        notes = [f"spare {spare_id} retired; RTO: its replacement ready"]
+        return True, notes, retired - ts, ready - ts
+    if retired is None and ended is not None:
+        return (
+            True,
+            [f"the job ended {ended - ts:.1f} s after, before spare {spare_id} was found"],
+            None,
+            None,
+        )
+    return False, [f"spare {spare_id} was not retired and replaced"], None, None
+
+
+def judge(
+    log: LogConnector,
+    job_id: str,
+    nproc: int,
+    steps: int,
+    faults: list[PlannedFault],
+    sent: dict[int, Sent],
+    returncode: int | None,
+    final: dict[int, FinalState],
+    reference: dict[int, FinalState],
+    left: list[int],
+) -> dict[str, Any]:
+    """The verdict as plain JSON; ``ok`` only when every check holds."""
+    kills = [s.kill for s in sent.values() if s.kill is not None]
+    found = incidents(log, job_id, kills)
+    unclaimed = list(found["incidents"])
+    signalled: dict[int, dict[str, Any]] = {}  # fault index -> the incident its kill caused
+    for index, action in sent.items():
+        pid = action.kill.pid if action.kill is not None else None
+        row = next((r for r in unclaimed if pid is not None and r["killed_pid"] == pid), None)
+        if row is not None:
+            unclaimed.remove(row)
+            signalled[index] = row
+    rows = []
+    for fault in faults:
+        mine = [signalled[fault.index]] if fault.index in signalled else []
+        for rank in fault.failed_ranks[len(mine) :]:
+            match = next((r for r in unclaimed if r["failed_rank"] == rank), None)
+            if match is not None:
+                unclaimed.remove(match)
+                mine.append(match)
+        action = sent.get(fault.index, Sent())
+        first = mine[0] if mine else None
+        if first is None:
+            detection = None
+        elif fault.index in signalled:
+            detection = first["detection_s"]  # from the signal the chaos command sent
+        else:
+            detection = first["phases_s"].get("detected")  # from the failure the engine dated
+        # From the signal the chaos command sent, else from the failure the engine dated.
+        rtos = [
+            r["rto_from_kill_s"] if r is signalled.get(fault.index) else r["rto_s"] for r in mine
+        ]
+        recovered = len(mine) == len(fault.failed_ranks) and all(
+            r["state"] == "closed" for r in mine
+        )
+        notes = list(action.notes)
+        kill = action.kill
+        if kill is not None and kill.committed is not None and kill.committed + 1 != fault.step:
+            notes.append(f"sent during step {kill.committed + 1}")  # it waited for a spare
+        takeover = _takeover_s(log, job_id, action) if action.engine_killed else None
+        if takeover is not None:
+            notes.append(f"engine takeover {takeover * 1000:.0f} ms")
+        if fault.kind in ("engine_kill", "broker_restart") and action.mid_incident_ts is None:
+            recovered = False
+            notes.append("the mid-incident fault was not sent")
+        if fault.kind in IDLE_SPARE_SIGNAL:
+            recovered, said, detection, rto = _spare_outcome(log, job_id, action)
+            notes += said
+            rtos = [] if rto is None else [rto]
+        rows.append(
+            {
+                "index": fault.index,
+                "kind": fault.kind,
+                "where": fault.describe(),
+                "incidents": [r["incident_id"] for r in mine],
+                "detection_ms": _ms(detection),
+                "rto_ms": _ms(max(rtos)) if rtos and None not in rtos else None,
+                "committed_steps_lost": sum(r["committed_steps_lost"] or 0 for r in mine),
+                "recovered": recovered,
+                "notes": notes,
+            }
+        )
+    joined, _, unplanned = process_history(log, job_id)
+    records = _records(log, job_id, nproc, steps)
+    digests = {r: s.params_sha256 for r, s in final.items()}
+    expected = {r: s.params_sha256 for r, s in reference.items()}
+    checks = {
+        "completed": returncode == 0 and len(final) == nproc,
+        "every_fault_recovered": all(r["recovered"] for r in rows),
+        "bitwise_equal_to_reference": len(expected) == nproc and digests == expected,
+        "replay_no_divergence": bool(found["replay"]["ok"]),
+        "survivor_pids_unchanged": not unplanned and len(joined) == nproc,
+        "no_unplanned_incident": not unclaimed,  # no healthy rank taken for a failed one
+        "no_process_left": not left,
+        "no_committed_step_lost": all(r["committed_steps_lost"] == 0 for r in rows)
+        and not any(r["committed_steps_lost"] for r in unclaimed),
+        "no_record_duplicated": records["duplicate_record_ids"] == 0
+        and records["step_records_duplicated"] == 0,
+    }
+    return {
+        "job_id": job_id,
+        "faults": rows,
+        "unplanned_incidents": unclaimed,
+        "unplanned_pid_changes": unplanned,
+        "processes_left": left,
+        "records": records,
+        "agent_returncode": returncode,
+        "params_sha256": digests,
+        "reference_params_sha256": expected,
+        "replay": found["replay"],
+        "checks": checks,
+        "recovered": sum(r["recovered"] for r in rows),
+        "ok": all(checks.values()),
+    }
