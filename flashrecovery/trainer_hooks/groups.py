@@ -49,7 +49,7 @@ def connect_store(host: str, port: int, prefix: str) -> dist.Store:
     return job_keys(prefix, client)
 
 
-class _Rendezvous(dist.Store):
+class Rendezvous(dist.Store):
     """The store a new group's rendezvous goes through. gloo waits for every peer inside its
     constructor while holding the GIL, which would silence this process's heartbeats for as long
     as a lost peer is awaited; here every wait is a loop of short store waits (which release the
@@ -93,7 +93,7 @@ def build(
     lost after that is given up on once ``superseded()`` says a newer generation is planned.
     Gloo listens on the interface GLOO_SOCKET_IFNAME names (loopback: agent/store.py)."""
     prefixed = dist.PrefixStore(f"gen/{generation}/", store)
-    rendezvous = _Rendezvous(prefixed, superseded, f"generation {generation}")
+    rendezvous = Rendezvous(prefixed, superseded, f"generation {generation}")
     return cast(Group, dist.ProcessGroupGloo(rendezvous, rank, world_size, COLLECTIVE_TIMEOUT))
 
 

@@ -521,7 +521,9 @@ class Session:
         self._group = groups.build(
             self._store, generation, self.rank, self.world_size, self._superseded
         )
-        self._stable.attach(self._store, generation)
+        # The user's groups form through the same rendezvous: a lost member is given up on too.
+        forming = groups.Rendezvous(self._store, self._superseded, f"generation {generation}")
+        self._stable.attach(forming, generation)
 
     def _drop_group(self) -> None:
         self._stable.detach()
