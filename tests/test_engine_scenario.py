@@ -324,6 +324,31 @@ def test_a_spare_that_dies_before_taking_over_is_replaced_in_turn() -> None:
     assert engine.state.ranks[1].pid is None  # the fresh process names itself when spawned
 
 
+def test_spares_that_fail_before_they_regroup_are_no_crash_loop_of_the_rank() -> None:
+    """A hot spare that dies (or was stopped) before it regrouped as the rank is the spare's
+    failure: the rank is given another spare however often that happens."""
+    log, world = MemoryLog(), SimulatedWorld(JOB, world_size=2, spares=3)
+    engine = EngineLoop(log, JOB)
+    started, *rest = world.start()
+    drive(log, engine, world, [started.model_copy(update={"max_replacements": 2}), *rest])
+    drive(log, engine, world, world.train(2))
+    log.append(Stream.EVENTS, world.kill(1))
+    for spare_id in range(3):
+        engine.apply(log.read(Stream.EVENTS, JOB, engine.next_position))
+        decisions = [e.record for e in log.read(Stream.DECISIONS, JOB) if e.record]
+        assign = decisions[-1] if spare_id else decisions[1]
+        assert (assign.type, assign.spare_id) == ("assign_spare", spare_id)  # type: ignore[union-attr]
+        died = RankExited(
+            job_id=JOB, generation=1, source="agent", ts=world.clock + 0.01 * (spare_id + 1),
+            rank=1, spare_id=spare_id, pid=world.spare_pids[spare_id], signal=9,
+        )  # fmt: skip
+        log.append(Stream.EVENTS, died)
+    engine.apply(log.read(Stream.EVENTS, JOB, engine.next_position))
+    types = [e.record.type for e in log.read(Stream.DECISIONS, JOB) if e.record]
+    assert "fail_job" not in types and types[-1] == "spawn_replacement"
+    assert engine.state.failures[(1, 1)] == 1  # the rank's own failure, once
+
+
 def test_a_replacement_that_regroups_before_the_agent_reports_it_is_no_rejection() -> None:
     log, world, engine = running(2, spares=1, steps=2)
     decisions = drive(log, engine, world, [world.kill(1)])

@@ -303,6 +303,7 @@ def _rank_regrouped(ctx: Context, record: RankRegrouped) -> None:
             f"rank {record.rank} says it holds step {record.committed_step}, but no member "
             f"committed past {state.max_committed()}"
         )
+    view.untried_spare = False  # it runs as the rank now: its failures are the rank's
     if view.regrouped_step is None:
         state.awaiting_regroup -= 1
     view.regrouped_step = record.committed_step

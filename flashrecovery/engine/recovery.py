@@ -95,9 +95,10 @@ def _guard_tripped(ctx: Context, rank: int, error: str, incident: Incident) -> b
     state, config = ctx.state, ctx.state.config
     assert config is not None
     step = state.max_committed()
-    state.failures[(rank, step)] += 1
+    if not state.ranks[rank].untried_spare:
+        state.failures[(rank, step)] += 1
     failures = state.failures[(rank, step)]
-    if failures >= config.max_replacements:
+    if failures and failures >= config.max_replacements:
         where = "before its first step" if step < 0 else f"at committed step {step}"
         verdict = f"rank {rank} failed {failures} times {where} (--max-replacements)"
     elif config.max_incidents is not None and len(state.incidents) > config.max_incidents:
@@ -141,6 +142,7 @@ def choose_replacement(ctx: Context, rank: int, incident_id: str) -> None:
     else:
         ctx.emit(SpawnReplacement, rank=rank, incident_id=incident_id)
         state.set_pid(rank, None)
+    state.ranks[rank].untried_spare = spare_id is not None
 
 
 def replacement_ready(ctx: Context, rank: int, pid: int, *, warm: bool) -> None:

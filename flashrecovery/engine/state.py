@@ -38,6 +38,9 @@ class RankView:
     waiting: bool = False  # inside commit(), waiting on peers, as its last heartbeat said
     last_step_ts: float | None = None
     regrouped_step: int | None = None  # committed step reported for the current generation
+    # The process is a hot spare that has not regrouped as this rank yet: if it fails, that is
+    # the spare's fault (it was stopped or died idle), not the rank's, and no crash loop.
+    untried_spare: bool = False
 
 
 class SpareStatus(StrEnum):
