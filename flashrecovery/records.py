@@ -15,7 +15,7 @@ import uuid
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from flashrecovery.errors import RecordError
 
@@ -23,6 +23,7 @@ SCHEMA_VERSION = 1
 
 JobId = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_.\-]+$")]
 RankId = Annotated[int, Field(ge=0)]
+NodeId = Annotated[int, Field(ge=0)]  # an agent's node rank: 0.. for the job's nodes
 Step = Annotated[int, Field(ge=-1)]  # -1: nothing committed yet
 
 
@@ -95,6 +96,42 @@ class JobStarted(Envelope):
     # job, and so does an incident past the first max_incidents (None: no bound).
     max_replacements: int = Field(default=3, ge=1)
     max_incidents: int | None = Field(default=None, ge=1)
+    # Nodes: ranks are laid out node by node, world_size / nodes per node (docs/multinode.md).
+    # A lost node's ranks find no spare: they wait node_wait_s for one, then the job fails.
+    nodes: int = Field(default=1, ge=1)
+    node_wait_s: float = Field(default=30.0, ge=0)
+
+    @property
+    def nproc_per_node(self) -> int:
+        return self.world_size // self.nodes
+
+    @model_validator(mode="after")
+    def _whole_nodes(self) -> JobStarted:
+        if self.world_size % self.nodes:
+            raise ValueError(
+                f"world_size {self.world_size} is not a multiple of {self.nodes} nodes"
+            )
+        return self
+
+
+class NodeJoined(Envelope):
+    """An agent joined the job for its node: ``ranks`` training ranks (none on a spare node)
+    and ``spares`` hot spares of its own."""
+
+    type: Literal["node_joined"] = "node_joined"
+    node: NodeId
+    pid: int = Field(ge=1)  # the agent's
+    host: str
+    ranks: int = Field(ge=0)
+    spares: int = Field(ge=0)
+
+
+class NodeHeartbeat(Envelope):
+    """Proof of life from a node's agent, one per interval: its silence loses the whole node."""
+
+    type: Literal["node_heartbeat"] = "node_heartbeat"
+    node: NodeId
+    pid: int = Field(ge=1)
 
 
 class RankJoined(Envelope):
@@ -114,6 +151,7 @@ class SpareReady(Envelope):
     spare_id: int = Field(ge=0)
     pid: int = Field(ge=1)
     host: str
+    node: NodeId = 0
 
 
 class Heartbeat(Envelope):
@@ -155,6 +193,7 @@ class RankExited(Envelope):
     pid: int = Field(ge=1)
     exit_code: int | None = None
     signal: int | None = None
+    node: NodeId = 0  # the agent that saw it (pids are per host)
 
 
 class CollectiveError(Envelope):
@@ -173,6 +212,23 @@ class HeartbeatMissed(Envelope):
     rank: RankId
     last_seen_ts: float
     silent_s: float = Field(ge=0)
+
+
+class NodeMissed(Envelope):
+    """A detector saw no heartbeat from a node's agent for N x interval: the node is lost."""
+
+    type: Literal["node_missed"] = "node_missed"
+    node: NodeId
+    last_seen_ts: float
+    silent_s: float = Field(ge=0)
+
+
+class NodeWaitExpired(Envelope):
+    """A detector saw ranks of a lost node wait ``node_wait_s`` for a spare none brought."""
+
+    type: Literal["node_wait_expired"] = "node_wait_expired"
+    ranks: list[RankId]
+    waited_s: float = Field(ge=0)
 
 
 class SpareMissed(Envelope):
@@ -302,17 +358,40 @@ class IsolateRank(Decision):
     pid: int | None = None
     reason: str
     kill: bool = True
+    node: NodeId = 0  # whose agent kills it
+
+
+class IsolateNode(Decision):
+    """The node is lost: its ranks are isolated (IsolateRank each) and replaced elsewhere; its
+    agent, if it still runs, tears its processes down and ends."""
+
+    type: Literal["isolate_node"] = "isolate_node"
+    node: NodeId
+    pid: int | None = None  # the agent's
+    ranks: list[RankId]
+    reason: str
 
 
 class AssignSpare(Decision):
     type: Literal["assign_spare"] = "assign_spare"
     rank: RankId
     spare_id: int = Field(ge=0)
+    node: NodeId = 0  # the spare's: its agent hands it the rank
+
+
+class AwaitNode(Decision):
+    """No spare and no node to hold these ranks: they wait up to ``node_wait_s`` for a node
+    to join (its spares take them), then the job fails."""
+
+    type: Literal["await_node"] = "await_node"
+    ranks: list[RankId]
+    node_wait_s: float = Field(ge=0)
 
 
 class SpawnReplacement(Decision):
     type: Literal["spawn_replacement"] = "spawn_replacement"
     rank: RankId
+    node: NodeId = 0  # whose agent starts the process
 
 
 class RegroupPlanned(Decision):
@@ -349,6 +428,7 @@ class RetireSpare(Decision):
     pid: int | None = None
     reason: str
     refill: bool = True
+    node: NodeId = 0  # the spare's
 
 
 class FailJob(Decision):
@@ -365,6 +445,8 @@ class FailJob(Decision):
 class IncidentClosed(Decision):
     type: Literal["incident_closed"] = "incident_closed"
     failed_rank: RankId
+    failed_ranks: list[RankId] = Field(default_factory=list)  # all of a lost node's
+    failed_node: NodeId | None = None  # set when a whole node was lost
     rto_s: float
     rpo_steps: int
     recomputed_steps: int
@@ -373,6 +455,10 @@ class IncidentClosed(Decision):
 
 EventRecord = Annotated[
     JobStarted
+    | NodeJoined
+    | NodeHeartbeat
+    | NodeMissed
+    | NodeWaitExpired
     | RankJoined
     | SpareReady
     | Heartbeat
@@ -395,7 +481,9 @@ EventRecord = Annotated[
 ]
 DecisionRecord = Annotated[
     IsolateRank
+    | IsolateNode
     | AssignSpare
+    | AwaitNode
     | SpawnReplacement
     | RegroupPlanned
     | ResumePlanned

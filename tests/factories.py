@@ -25,6 +25,10 @@ RECORD_TYPES: list[type[Envelope]] = [*EVENT_TYPES, *DECISION_TYPES]
 # The required fields of each type (beyond the envelope), with valid values.
 SAMPLE_FIELDS: dict[str, dict[str, Any]] = {
     "job_started": {"world_size": 4, "spares": 1, "heartbeat_interval_s": 0.5},
+    "node_joined": {"node": 0, "pid": 900, "host": "h", "ranks": 2, "spares": 1},
+    "node_heartbeat": {"node": 0, "pid": 900},
+    "node_missed": {"node": 1, "last_seen_ts": T0, "silent_s": 3.5},
+    "node_wait_expired": {"ranks": [2, 3], "waited_s": 30.0},
     "rank_joined": {"rank": 0, "pid": 1001, "host": "h"},
     "spare_ready": {"spare_id": 0, "pid": 2001, "host": "h"},
     "heartbeat": {"rank": 0, "step": 3, "pid": 1001, "host": "h"},
@@ -44,7 +48,9 @@ SAMPLE_FIELDS: dict[str, dict[str, Any]] = {
     "job_finished": {"status": "completed"},
     "engine_lease": {"engine_id": "e1", "expires_ts": T0 + 10},
     "isolate_rank": {"caused_by": 7, "rank": 0, "pid": 1001, "reason": "exited"},
+    "isolate_node": {"caused_by": 7, "node": 1, "pid": 900, "ranks": [2, 3], "reason": "lost"},
     "assign_spare": {"caused_by": 7, "rank": 0, "spare_id": 0},
+    "await_node": {"caused_by": 7, "ranks": [2], "node_wait_s": 30.0},
     "spawn_replacement": {"caused_by": 7, "rank": 0},
     "regroup_planned": {"caused_by": 7, "members": [0, 1], "replaced": [0]},
     "resume_planned": {"caused_by": 9, "resume_step": 3, "donors": {0: 1}, "recipients": [0]},

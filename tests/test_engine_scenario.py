@@ -65,6 +65,7 @@ def test_kill_with_spare_decides_isolate_replace_regroup_restore_resume() -> Non
             "pid": kill.record.pid,
             "reason": f"process {kill.record.pid} exited (signal 9)",
             "kill": True,
+            "node": 0,
         },
         {
             "generation": 1,
@@ -73,6 +74,7 @@ def test_kill_with_spare_decides_isolate_replace_regroup_restore_resume() -> Non
             "incident_id": incident,
             "rank": 2,
             "spare_id": 0,
+            "node": 0,
         },
         {
             "generation": 1,
@@ -97,6 +99,8 @@ def test_kill_with_spare_decides_isolate_replace_regroup_restore_resume() -> Non
             "caused_by": steps_after[3].position,  # the 4th rank to commit step 3
             "incident_id": incident,
             "failed_rank": 2,
+            "failed_ranks": [2],
+            "failed_node": None,
             "rpo_steps": 0,
             "recomputed_steps": 1,
             "phases": sorted(

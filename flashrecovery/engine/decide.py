@@ -12,7 +12,7 @@ from typing import Any
 
 from flashrecovery.engine import recovery
 from flashrecovery.engine.context import Context
-from flashrecovery.engine.state import EngineState, RankView, SpareStatus, SpareView
+from flashrecovery.engine.state import EngineState, NodeView, RankView, SpareStatus, SpareView
 from flashrecovery.errors import IllegalTransition, Rejected
 from flashrecovery.records import (
     CollectiveError,
@@ -24,6 +24,10 @@ from flashrecovery.records import (
     HeartbeatMissed,
     JobFinished,
     JobStarted,
+    NodeHeartbeat,
+    NodeJoined,
+    NodeMissed,
+    NodeWaitExpired,
     RankExited,
     RankFinished,
     RankJoined,
@@ -110,7 +114,10 @@ def _job_started(ctx: Context, record: JobStarted) -> None:
         raise Rejected("the job has already started")
     state.config = record
     state.ranks = {
-        r: RankView(RankMachine(f"rank:{r}", census=state.rank_census))
+        r: RankView(
+            RankMachine(f"rank:{r}", census=state.rank_census),
+            node=r // record.nproc_per_node,  # laid out node by node
+        )
         for r in range(record.world_size)
     }
     for rank in state.ranks:
@@ -135,12 +142,43 @@ def _rank_joined(ctx: Context, record: RankJoined) -> None:
         ctx.fire(state.job, Trigger.RUN)
 
 
+def _node_joined(ctx: Context, record: NodeJoined) -> None:
+    state = ctx.state
+    if record.node in state.nodes:
+        raise Rejected(f"node {record.node} has joined already (a node comes back as a new one)")
+    state.nodes[record.node] = NodeView(record.node, record.pid, record.host, record.ts)
+
+
+def _node_heartbeat(ctx: Context, record: NodeHeartbeat) -> None:
+    node = ctx.state.nodes.get(record.node)
+    if node is None or node.pid != record.pid or node.lost:
+        ctx.state.fenced += 1  # not joined yet, an old agent, or a node already given up
+        return
+    node.last_heartbeat_ts = record.ts
+
+
+def _node_missed(ctx: Context, record: NodeMissed) -> None:
+    if record.node not in ctx.state.nodes:
+        raise Rejected(f"node {record.node} never joined")
+    reason = f"node {record.node} lost: no heartbeat from its agent for {record.silent_s:.2f}s"
+    recovery.fail_node(ctx, record.node, record.last_seen_ts, reason)
+
+
+def _node_wait_expired(ctx: Context, record: NodeWaitExpired) -> None:
+    recovery.node_wait_expired(ctx, record.ranks, record.waited_s)
+
+
 def _spare_ready(ctx: Context, record: SpareReady) -> None:
-    if record.spare_id in ctx.state.spares:
+    state = ctx.state
+    if record.spare_id in state.spares:
         raise Rejected(f"spare {record.spare_id} is already known")
-    ctx.state.spares[record.spare_id] = SpareView(
-        record.spare_id, record.pid, record.host, last_heartbeat_ts=record.ts
+    if state.node_lost(record.node):
+        state.fenced += 1  # its node was given up: its agent tears it down
+        return
+    state.spares[record.spare_id] = SpareView(
+        record.spare_id, record.pid, record.host, last_heartbeat_ts=record.ts, node=record.node
     )
+    recovery.place_waiting(ctx)
 
 
 def _spare_heartbeat(ctx: Context, record: SpareHeartbeat) -> None:
@@ -205,6 +243,8 @@ def _step_completed(ctx: Context, record: StepCompleted) -> None:
 def _rank_exited(ctx: Context, record: RankExited) -> None:
     state = ctx.state
     holder = state.holders.get(record.pid)
+    if holder is not None and state.ranks[holder].node != record.node:
+        holder = None  # the same pid on another host
     if holder is None and record.rank is not None:
         never_joined = state.ranks[record.rank].machine.state == RankState.PENDING
         holder = record.rank if never_joined else None  # died before saying who it was
@@ -228,13 +268,13 @@ def _spare_exited(ctx: Context, record: RankExited, how: str) -> None:
     ever ready is replaced only a bounded number of times (a script that can't start)."""
     state = ctx.state
     spare = state.spares.get(record.spare_id) if record.spare_id is not None else None
-    if spare is not None and spare.pid == record.pid:
+    if spare is not None and spare.pid == record.pid and spare.node == record.node:
         if spare.status == SpareStatus.READY:
             recovery.retire_spare(ctx, spare, f"exited ({how})")
         else:
             spare.status = SpareStatus.GONE
     elif record.spare_id is not None and record.spare_id not in state.spares:
-        recovery.spare_lost_unready(ctx, record.spare_id, record.pid, how)
+        recovery.spare_lost_unready(ctx, record.spare_id, record.pid, how, record.node)
     else:
         state.fenced += 1  # a process that no longer holds any rank
 
@@ -339,6 +379,10 @@ def _job_finished(ctx: Context, record: JobFinished) -> None:
 
 
 HANDLERS: dict[type[Envelope], Callable[[Context, Any], None]] = {
+    NodeJoined: _node_joined,
+    NodeHeartbeat: _node_heartbeat,
+    NodeMissed: _node_missed,
+    NodeWaitExpired: _node_wait_expired,
     RankJoined: _rank_joined,
     SpareReady: _spare_ready,
     SpareHeartbeat: _spare_heartbeat,

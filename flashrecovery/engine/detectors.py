@@ -8,13 +8,20 @@ import statistics
 from typing import Any
 
 from flashrecovery.engine.state import EngineState, SpareStatus
-from flashrecovery.records import HeartbeatMissed, SpareMissed, StallSuspected
+from flashrecovery.records import (
+    HeartbeatMissed,
+    NodeMissed,
+    NodeWaitExpired,
+    SpareMissed,
+    StallSuspected,
+)
 from flashrecovery.statemachines.job import ENDED, JobState
 from flashrecovery.statemachines.rank import ALIVE, RankState
 
 SLACK_S = 1e-6  # the heap's times are sums; the exact test below decides
 WATCHED = (RankState.HEALTHY, RankState.SUSPECT)  # ranks expected to progress
 BEATING = (RankState.PENDING, *ALIVE)  # processes expected to heartbeat (a recovery included)
+NODE_QUIET = 1.5  # intervals of agent silence past which its ranks' silence is the node's
 
 
 def _envelope(state: EngineState, now: float) -> dict[str, Any]:
@@ -42,6 +49,8 @@ def silent_ranks(state: EngineState, now: float) -> list[HeartbeatMissed]:
         in_grace = view.grace_until_ts is not None and now <= view.grace_until_ts
         if in_grace or now - last <= limit:
             continue
+        if _node_quiet(state, view.node, now):
+            continue  # its agent is silent too: the node's loss is reported for all its ranks
         found.append(
             HeartbeatMissed(
                 **_envelope(state, now),
@@ -53,6 +62,52 @@ def silent_ranks(state: EngineState, now: float) -> list[HeartbeatMissed]:
     for entry in surfaced:  # still watched: a later call sees them again
         heapq.heappush(due, entry)
     return sorted(found, key=lambda finding: finding.rank)
+
+
+def _node_quiet(state: EngineState, node: int, now: float) -> bool:
+    """The node's agent missed a beat (or the node is lost): its processes' silence is the
+    node's, reported once for all of them by ``silent_nodes``."""
+    view = state.nodes.get(node)
+    if view is None or state.config is None:
+        return False
+    return (
+        view.lost or now - view.last_heartbeat_ts > NODE_QUIET * state.config.heartbeat_interval_s
+    )
+
+
+def silent_nodes(state: EngineState, now: float) -> list[NodeMissed]:
+    """Agents with no heartbeat for missed_heartbeats x interval (the host gone, the agent
+    SIGKILLed or SIGSTOPped): each loses its whole node at once."""
+    config = state.config
+    if config is None or state.job.state in (*ENDED, JobState.FALLBACK):
+        return []
+    limit = config.missed_heartbeats * config.heartbeat_interval_s
+    return [
+        NodeMissed(
+            **_envelope(state, now),
+            node=node.node,
+            last_seen_ts=node.last_heartbeat_ts,
+            silent_s=round(now - node.last_heartbeat_ts, 6),
+        )
+        for node in sorted(state.nodes.values(), key=lambda n: n.node)
+        if not node.lost and now - node.last_heartbeat_ts > limit
+    ]
+
+
+def node_wait_over(state: EngineState, now: float) -> list[NodeWaitExpired]:
+    """Ranks of a lost node that waited longer than node_wait_s for a spare."""
+    config, since = state.config, state.awaiting_node_since
+    if config is None or since is None or now - since <= config.node_wait_s:
+        return []
+    if state.job.state in ENDED:
+        return []
+    return [
+        NodeWaitExpired(
+            **_envelope(state, now),
+            ranks=sorted(state.awaiting_node),
+            waited_s=round(now - since, 6),
+        )
+    ]
 
 
 def stalled_ranks(state: EngineState, now: float) -> list[StallSuspected]:
@@ -105,16 +160,21 @@ def silent_spares(state: EngineState, now: float) -> list[SpareMissed]:
         if spare.status == SpareStatus.READY
         and spare.last_heartbeat_ts is not None
         and now - spare.last_heartbeat_ts > limit
+        and not _node_quiet(state, spare.node, now)
     ]
 
 
-Finding = HeartbeatMissed | StallSuspected | SpareMissed
+Finding = HeartbeatMissed | StallSuspected | SpareMissed | NodeMissed | NodeWaitExpired
 FindingKey = tuple[str, int, int, int | None, int]
 
 
 def finding_key(state: EngineState, record: Finding) -> FindingKey:
     """A finding is reported once per process it is about (and a stall once per window it
     lasts: suspect, then failed)."""
+    if isinstance(record, NodeMissed):
+        return (record.type, record.generation, record.node, state.nodes[record.node].pid, 0)
+    if isinstance(record, NodeWaitExpired):
+        return (record.type, record.generation, min(record.ranks), None, 0)
     if isinstance(record, SpareMissed):
         spare = state.spares[record.spare_id]
         return (record.type, record.generation, spare.spare_id, spare.pid, 0)
@@ -132,8 +192,11 @@ def fresh_findings(
     stalls: bool = True,
 ) -> list[Finding]:
     """What the detectors find at ``now`` that was not reported yet (``silence``: missed
-    heartbeats of ranks and spares; ``stalls``: stalled ranks)."""
+    heartbeats of nodes, ranks and spares, and a lost node's wait for capacity running out;
+    ``stalls``: stalled ranks). A silent node comes first: its ranks go with it."""
     found: list[Finding] = [
+        *(silent_nodes(state, now) if silence else []),
+        *(node_wait_over(state, now) if silence else []),
         *(silent_ranks(state, now) if silence else []),
         *(stalled_ranks(state, now) if stalls else []),
         *(silent_spares(state, now) if silence else []),

@@ -21,6 +21,7 @@ from flashrecovery.connectors import open_log
 from flashrecovery.connectors.base import Entry, LogConnector
 from flashrecovery.connectors.follow import RETRY, StreamCursor
 from flashrecovery.engine import detectors
+from flashrecovery.engine.detectors import Finding
 from flashrecovery.engine.ingest import ingest
 from flashrecovery.engine.lease import LeaseBook
 from flashrecovery.engine.state import EngineState
@@ -29,9 +30,9 @@ from flashrecovery.records import (
     Decision,
     EngineLease,
     Envelope,
-    HeartbeatMissed,
+    NodeMissed,
+    NodeWaitExpired,
     SpareMissed,
-    StallSuspected,
     Stream,
 )
 
@@ -226,7 +227,11 @@ class EngineLoop:
             self.log.close()
 
 
-def key_fields(record: HeartbeatMissed | StallSuspected | SpareMissed) -> dict[str, int]:
+def key_fields(record: Finding) -> dict[str, int | list[int]]:
+    if isinstance(record, NodeMissed):
+        return {"node": record.node}
+    if isinstance(record, NodeWaitExpired):
+        return {"ranks": record.ranks}
     if isinstance(record, SpareMissed):
         return {"spare_id": record.spare_id}
     return {"rank": record.rank}

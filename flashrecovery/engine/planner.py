@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from flashrecovery.engine.state import EngineState
 
 
 def choose_spare(state: EngineState) -> int | None:
-    """The ready spare with the lowest id (oldest, so warmed up longest), or None: spawn."""
+    """A ready spare of the node with the most of them (a lost node's ranks then land
+    together), the lowest id there (oldest, so warmed up longest); None: none is ready."""
     ready = state.ready_spares()
-    return ready[0].spare_id if ready else None
+    per_node = Counter(s.node for s in ready)
+    best = min(ready, key=lambda s: (-per_node[s.node], s.spare_id), default=None)
+    return best.spare_id if best else None
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,11 @@ from flashrecovery.engine.state import EngineState, Incident, RankView, SpareSta
 from flashrecovery.errors import Rejected
 from flashrecovery.records import (
     AssignSpare,
+    AwaitNode,
     FailJob,
     FallbackToCheckpoint,
     IncidentClosed,
+    IsolateNode,
     IsolateRank,
     RegroupPlanned,
     ResumePlanned,
@@ -33,12 +35,39 @@ def clear_suspicion(ctx: Context, view: RankView) -> None:
 
 
 def fail(ctx: Context, rank: int, failure_ts: float, reason: str) -> None:
-    """Open an incident for a rank that is alive in the current generation: isolate it, then
-    either end the job (a guard tripped) or choose its replacement and plan the next
-    generation, in one decide step."""
+    """Open an incident for a rank that is alive in the current generation."""
+    fail_ranks(ctx, [rank], failure_ts, reason)
+
+
+def fail_node(ctx: Context, node: int, failure_ts: float, reason: str) -> None:
+    """A node is lost with its agent: its spares leave the pool, and its ranks are isolated
+    together and replaced together, in one incident, by spares of other nodes."""
     state = ctx.state
-    view = state.ranks[rank]
-    if view.machine.state not in (*ALIVE, RankState.PENDING):
+    view = state.nodes[node]
+    if view.lost:
+        return
+    view.lost = True
+    for spare in state.spares.values():
+        if spare.node == node and spare.status == SpareStatus.READY:
+            spare.status = SpareStatus.GONE
+    held = sorted(r for r, v in state.ranks.items() if v.node == node)
+    ctx.emit(IsolateNode, node=node, pid=view.pid, ranks=held, reason=reason)
+    # A rank already isolated whose replacement was to come from this node needs another.
+    for rank in held:
+        if state.ranks[rank].machine.state == RankState.ISOLATED:
+            place(ctx, [rank], _incident_of(state, rank).incident_id)
+    fail_ranks(ctx, held, failure_ts, reason, node=node)
+
+
+def fail_ranks(
+    ctx: Context, ranks: list[int], failure_ts: float, reason: str, node: int | None = None
+) -> None:
+    """Open one incident for the ranks that are alive in the current generation: isolate
+    them, then either end the job (a guard tripped) or choose their replacements and plan the
+    next generation, in one decide step."""
+    state = ctx.state
+    ranks = [r for r in ranks if state.ranks[r].machine.state in (*ALIVE, RankState.PENDING)]
+    if not ranks:
         return  # already being replaced, or finished: nothing new to decide
     if state.job.state in (JobState.COMPLETED, JobState.FAILED, JobState.FALLBACK):
         raise Rejected(f"the job is {state.job.state}")
@@ -47,27 +76,39 @@ def fail(ctx: Context, rank: int, failure_ts: float, reason: str) -> None:
     number = len(state.incidents) + 1
     incident = Incident(
         incident_id=f"{state.job_id}-incident-{number}",
-        failed_rank=rank,
+        failed_rank=ranks[0],
         failure_ts=min(failure_ts, ctx.record.ts),
         generation=state.generation + 1,
         machine=IncidentMachine(f"incident:{number}"),
         committed_before=state.max_committed(),
         detected=ctx.stamp,
         reason=reason,
+        failed_ranks=ranks,
+        failed_node=node,
     )
     state.incidents.append(incident)
-    ctx.fire(view.machine, Trigger.FAIL)
-    ctx.emit(IsolateRank, rank=rank, pid=view.pid, reason=reason, incident_id=incident.incident_id)
-    ctx.fire(view.machine, Trigger.ISOLATE)
+    for rank in ranks:
+        view = state.ranks[rank]
+        ctx.fire(view.machine, Trigger.FAIL)
+        ctx.emit(
+            IsolateRank,
+            rank=rank,
+            pid=view.pid,
+            reason=reason,
+            incident_id=incident.incident_id,
+            node=view.node,
+        )
+        ctx.fire(view.machine, Trigger.ISOLATE)
     ctx.fire(incident.machine, Trigger.ISOLATE)
     ctx.fire(state.job, Trigger.ISOLATE)
-    if _guard_tripped(ctx, rank, reason, incident):
+    if _guard_tripped(ctx, ranks, reason, incident):
         return
 
     state.generation += 1
-    choose_replacement(ctx, rank, incident.incident_id)
-    state.set_committed(rank, None)
-    state.needs_state.add(rank)
+    place(ctx, ranks, incident.incident_id)
+    for rank in ranks:
+        state.set_committed(rank, None)
+        state.needs_state.add(rank)
     state.resume_planned = False
     state.resume_step = None
     state.awaiting_regroup = len(state.ranks)
@@ -89,14 +130,16 @@ def fail(ctx: Context, rank: int, failure_ts: float, reason: str) -> None:
     ctx.fire(state.job, Trigger.REGROUP)
 
 
-def _guard_tripped(ctx: Context, rank: int, error: str, incident: Incident) -> bool:
-    """Count the failure at the job's committed step; fail the job instead of recovering when
-    the rank keeps failing there, or when the job has had its allowed incidents."""
+def _guard_tripped(ctx: Context, ranks: list[int], error: str, incident: Incident) -> bool:
+    """Count the failure of each rank at the job's committed step; fail the job instead of
+    recovering when one keeps failing there, or when the job has had its allowed incidents."""
     state, config = ctx.state, ctx.state.config
     assert config is not None
     step = state.max_committed()
-    if not state.ranks[rank].untried_spare:
-        state.failures[(rank, step)] += 1
+    for r in ranks:
+        if not state.ranks[r].untried_spare:  # a spare that never took over is not the rank
+            state.failures[(r, step)] += 1
+    rank = max(ranks, key=lambda r: state.failures[(r, step)])
     failures = state.failures[(rank, step)]
     if failures and failures >= config.max_replacements:
         where = "before its first step" if step < 0 else f"at committed step {step}"
@@ -105,44 +148,111 @@ def _guard_tripped(ctx: Context, rank: int, error: str, incident: Incident) -> b
         verdict = f"incident {len(state.incidents)} exceeds --max-incidents {config.max_incidents}"
     else:
         return False
+    fail_job(ctx, rank, failures, error, verdict, incident.incident_id)
+    return True
+
+
+def fail_job(
+    ctx: Context, rank: int, failures: int, error: str, verdict: str, incident_id: str
+) -> None:
+    """End the job instead of recovering it: FailJob, and every open incident fails with it."""
+    state = ctx.state
     ctx.emit(
         FailJob,
         rank=rank,
-        step=step,
+        step=state.max_committed(),
         failures=failures,
         last_error=error,
         reason=verdict,
-        incident_id=incident.incident_id,
+        incident_id=incident_id,
     )
     for open_incident in state.open_incidents():
         ctx.fire(open_incident.machine, Trigger.FAIL)
     ctx.fire(state.job, Trigger.FAIL)
     state.verdict = f"{verdict}; last error: {error}"
-    return True
 
 
 def replacement_died(ctx: Context, rank: int, error: str) -> None:
     """The process chosen to replace ``rank`` died before it took over: it counts as another
     failure of the rank (a script that can't start loops here), then try again."""
-    state = ctx.state
-    incident = next(i for i in reversed(state.open_incidents()) if i.failed_rank == rank)
-    if not _guard_tripped(ctx, rank, error, incident):
-        choose_replacement(ctx, rank, incident.incident_id)
+    incident = _incident_of(ctx.state, rank)
+    if not _guard_tripped(ctx, [rank], error, incident):
+        place(ctx, [rank], incident.incident_id)
 
 
-def choose_replacement(ctx: Context, rank: int, incident_id: str) -> None:
-    """A ready spare if there is one, else a fresh process; the rank's pid becomes the spare's
-    at once, so that its death before it takes over is recognised."""
+def _incident_of(state: EngineState, rank: int) -> Incident:
+    """The newest open incident that replaces ``rank``."""
+    return next(i for i in reversed(state.open_incidents()) if rank in i.failed_ranks)
+
+
+def place(ctx: Context, ranks: list[int], incident_id: str) -> None:
+    """Choose each rank's replacement: a ready spare of any node, else a fresh process on the
+    rank's own node if that node lives; ranks with neither wait for a node (AwaitNode)."""
     state = ctx.state
+    homeless = [r for r in ranks if not choose_replacement(ctx, r, incident_id)]
+    if not homeless:
+        return
+    config = state.config
+    assert config is not None
+    for rank in homeless:
+        state.awaiting_node[rank] = incident_id
+    if state.awaiting_node_since is None:
+        state.awaiting_node_since = ctx.record.ts
+    ctx.emit(AwaitNode, ranks=homeless, node_wait_s=config.node_wait_s, incident_id=incident_id)
+
+
+def place_waiting(ctx: Context) -> None:
+    """A spare became ready: it takes the longest-waiting rank of a lost node, if any."""
+    state = ctx.state
+    if not state.awaiting_node:
+        return
+    rank = min(state.awaiting_node)
+    incident_id = state.awaiting_node.pop(rank)
+    if not state.awaiting_node:
+        state.awaiting_node_since = None
+    choose_replacement(ctx, rank, incident_id)
+
+
+def node_wait_expired(ctx: Context, ranks: list[int], waited_s: float) -> None:
+    """Ranks of a lost node waited --node-wait for capacity that never came: the job fails."""
+    state = ctx.state
+    still = sorted(r for r in ranks if r in state.awaiting_node)
+    if not still or state.job.state in (JobState.COMPLETED, JobState.FAILED):
+        return
+    incident_id = state.awaiting_node[still[0]]
+    incident = next(i for i in state.incidents if i.incident_id == incident_id)
+    verdict = (
+        f"no capacity: rank(s) {', '.join(map(str, still))} found no spare and no node joined "
+        f"within {waited_s:.0f}s (--node-wait)"
+    )
+    state.awaiting_node.clear()
+    state.awaiting_node_since = None
+    fail_job(ctx, still[0], 1, incident.reason, verdict, incident_id)
+
+
+def choose_replacement(ctx: Context, rank: int, incident_id: str) -> bool:
+    """A ready spare if there is one, else a fresh process on the rank's node if it lives
+    (False: neither); the rank's pid becomes the spare's at once, so that its death before it
+    takes over is recognised."""
+    state = ctx.state
+    view = state.ranks[rank]
     spare_id = planner.choose_spare(state)
     if spare_id is not None:
-        ctx.emit(AssignSpare, rank=rank, spare_id=spare_id, incident_id=incident_id)
-        state.spares[spare_id].status = SpareStatus.ASSIGNED
-        state.set_pid(rank, state.spares[spare_id].pid)
-    else:
-        ctx.emit(SpawnReplacement, rank=rank, incident_id=incident_id)
-        state.set_pid(rank, None)
-    state.ranks[rank].untried_spare = spare_id is not None
+        spare = state.spares[spare_id]
+        ctx.emit(
+            AssignSpare, rank=rank, spare_id=spare_id, incident_id=incident_id, node=spare.node
+        )
+        spare.status = SpareStatus.ASSIGNED
+        state.set_pid(rank, spare.pid)
+        view.node = spare.node
+        view.untried_spare = True
+        return True
+    state.set_pid(rank, None)
+    view.untried_spare = False
+    if state.node_lost(view.node):
+        return False
+    ctx.emit(SpawnReplacement, rank=rank, incident_id=incident_id, node=view.node)
+    return True
 
 
 def replacement_ready(ctx: Context, rank: int, pid: int, *, warm: bool) -> None:
@@ -234,6 +344,8 @@ def maybe_close_incidents(ctx: Context) -> None:
             IncidentClosed,
             incident_id=incident.incident_id,
             failed_rank=incident.failed_rank,
+            failed_ranks=incident.failed_ranks,
+            failed_node=incident.failed_node,
             rto_s=round(ctx.record.ts - incident.failure_ts, 6),
             rpo_steps=max(0, incident.committed_before - resume_step),
             recomputed_steps=max(0, incident.committed_before + 1 - resume_step),
@@ -269,10 +381,10 @@ def latest_incident_id(state: EngineState) -> str | None:
 def retire_spare(ctx: Context, spare: SpareView, reason: str) -> None:
     """An idle spare died or went silent: out of the pool (never assigned), and replaced."""
     spare.status = SpareStatus.GONE
-    ctx.emit(RetireSpare, spare_id=spare.spare_id, pid=spare.pid, reason=reason)
+    ctx.emit(RetireSpare, spare_id=spare.spare_id, pid=spare.pid, reason=reason, node=spare.node)
 
 
-def spare_lost_unready(ctx: Context, spare_id: int, pid: int, how: str) -> None:
+def spare_lost_unready(ctx: Context, spare_id: int, pid: int, how: str, node: int) -> None:
     """A spare died before it was ever ready. Replaced as long as that has not happened
     max_replacements times in the job: a script that can't start must not respawn for ever."""
     state, config = ctx.state, ctx.state.config
@@ -280,4 +392,4 @@ def spare_lost_unready(ctx: Context, spare_id: int, pid: int, how: str) -> None:
     state.spares_lost_unready += 1
     refill = state.spares_lost_unready < config.max_replacements
     reason = f"exited before it was ready ({how})"
-    ctx.emit(RetireSpare, spare_id=spare_id, pid=pid, reason=reason, refill=refill)
+    ctx.emit(RetireSpare, spare_id=spare_id, pid=pid, reason=reason, refill=refill, node=node)

@@ -28,6 +28,7 @@ class RankView:
     set through EngineState (set_committed, set_waiting), which keeps the aggregates."""
 
     machine: RankMachine
+    node: int = 0  # whose agent holds its process
     pid: int | None = None
     host: str = ""
     shard: int = 0
@@ -56,6 +57,18 @@ class SpareView:
     host: str
     status: SpareStatus = SpareStatus.READY
     last_heartbeat_ts: float | None = None
+    node: int = 0
+
+
+@dataclass
+class NodeView:
+    """A node's agent, from its NodeJoined on; ``lost`` once its silence isolated it."""
+
+    node: int
+    pid: int
+    host: str
+    last_heartbeat_ts: float
+    lost: bool = False
 
 
 @dataclass
@@ -69,6 +82,8 @@ class Incident:
     detected: Stamp  # the record that revealed the fault
     reason: str
     resume_step: int | None = None
+    failed_ranks: list[int] = field(default_factory=list)  # failed_rank and those lost with it
+    failed_node: int | None = None  # a whole node was lost
 
 
 @dataclass
@@ -105,6 +120,7 @@ class EngineState:
     generation: int = 0
     ranks: dict[int, RankView] = field(default_factory=dict)
     spares: dict[int, SpareView] = field(default_factory=dict)
+    nodes: dict[int, NodeView] = field(default_factory=dict)
     incidents: list[Incident] = field(default_factory=list)
     needs_state: set[int] = field(default_factory=set)  # replaced ranks not yet restored
     resume_planned: bool = False
@@ -128,6 +144,8 @@ class EngineState:
     last_step_ts: float | None = None  # the job's last step record: its progress
     step_durations: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
     waiting: int = 0  # ranks whose last heartbeat said they wait inside commit()
+    awaiting_node: dict[int, str] = field(default_factory=dict)  # rank -> incident, no spare yet
+    awaiting_node_since: float | None = None  # when the first of them began to wait
 
     @property
     def world_size(self) -> int:
@@ -145,6 +163,10 @@ class EngineState:
             (s for s in self.spares.values() if s.status == SpareStatus.READY),
             key=lambda s: s.spare_id,
         )
+
+    def node_lost(self, node: int) -> bool:
+        view = self.nodes.get(node)
+        return view is not None and view.lost
 
     def max_committed(self) -> int:
         return self.committed.top()
