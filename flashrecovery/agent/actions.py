@@ -1,7 +1,8 @@
 """Carrying out the engine's decisions on processes (docs/protocol.md, "Recovery").
 
 The engine decides; this module only acts: kill, hand a spare its rank, spawn a replacement,
-keep the spare pool full, and say which decision ends the job. New processes are started no
+keep the spare pool full, and say which decision ends the job. Every node's agent reads every
+decision and carries out those that name its node. New processes are started no
 faster than a bounded rate, so nothing can fork without end, whatever the decisions say.
 """
 
@@ -18,11 +19,13 @@ import torch.distributed as dist
 from flashrecovery.agent.supervisor import Supervisor
 from flashrecovery.records import (
     AssignSpare,
+    AwaitNode,
     Decision,
     Envelope,
     FailJob,
     FallbackToCheckpoint,
     IncidentClosed,
+    IsolateNode,
     IsolateRank,
     ReplacementSpawned,
     RetireSpare,
@@ -31,6 +34,7 @@ from flashrecovery.records import (
 )
 
 SPAWNS_PER_S = 2.0  # new processes per second, past a burst of one per rank and spare
+NODE_ACTIONS = (IsolateRank, AssignSpare, SpawnReplacement, RetireSpare)  # one node's agent acts
 
 
 class SpawnBudget:
@@ -61,6 +65,8 @@ class Actions:
         budget: SpawnBudget,
         *,
         refill_at_once: bool = True,
+        node: int = 0,
+        say: Callable[[str], None] = print,
     ) -> None:
         self._supervisor = supervisor
         self._store = store
@@ -71,6 +77,9 @@ class Actions:
         self._budget = budget
         self._deferred: deque[Callable[[], object]] = deque()  # spawns waiting for the budget
         self._done: set[str] = set()  # decision ids carried out (ids are deterministic)
+        self._node = node
+        self._say = say
+        self.lost_nodes: set[int] = set()
 
     def apply(self, decision: Decision) -> str | None:
         """Carry out one decision, once even if the log holds it twice (two engines around a
@@ -78,7 +87,19 @@ class Actions:
         if decision.record_id in self._done:
             return None
         self._done.add(decision.record_id)
-        if isinstance(decision, IsolateRank):
+        if isinstance(decision, IsolateNode):
+            self.lost_nodes.add(decision.node)
+            if decision.node == self._node:
+                return f"this node was declared lost: {decision.reason}"
+        elif isinstance(decision, AwaitNode):
+            self._say(
+                f"flashrecovery: rank(s) {', '.join(map(str, decision.ranks))} have no spare: "
+                f"waiting up to {decision.node_wait_s:.0f}s for a node to join (--node-wait)"
+            )
+        elif isinstance(decision, NODE_ACTIONS) and decision.node != self._node:
+            if isinstance(decision, AssignSpare | SpawnReplacement):
+                self._supervisor.release(decision.rank)  # held on another node from now on
+        elif isinstance(decision, IsolateRank):
             if decision.kill and decision.pid is not None:
                 self._supervisor.kill(decision.pid)
         elif isinstance(decision, AssignSpare):

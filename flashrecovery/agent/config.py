@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ipaddress
 import re
+import socket
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -16,6 +18,36 @@ from flashrecovery.trainer_hooks.faults import Fault, FaultPlan
 
 SPARE_REFILL = ("immediate", "after-recovery")
 _JOB_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
+MAX_NODE_WAIT_S = 50.0  # below the members' wait at the regroup barrier (groups.COLLECTIVE_TIMEOUT)
+MIN_SECRET = 16  # characters of FLASHRECOVERY_STORE_PREFIX a multi-node job needs
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine's loopback (every "node" of the job on one host)."""
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, text: str) -> Endpoint:
+        host, sep, port = text.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"--rdzv-endpoint {text!r}: expected HOST:PORT")
+        return cls(host.strip("[]"), int(port))
+
+    @property
+    def loopback(self) -> bool:
+        return is_loopback(self.host)
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
 
 
 @dataclass(frozen=True)
@@ -38,6 +70,22 @@ class AgentConfig:
     spare_refill: str = "immediate"  # or "after-recovery": when a taken spare is replaced
     metrics_port: int | None = None  # serve Prometheus metrics here (0: any free port)
     shards: int = 1  # model shards: rank r holds shard r % shards (a mesh's last dimension)
+    # Nodes (docs/multinode.md): one agent per node; node 0's hosts the store and the engine.
+    nnodes: int = 1
+    node_rank: int | None = 0  # None: assigned at rendezvous ("auto")
+    rdzv_endpoint: Endpoint | None = None  # None: a single-node job, as before
+    spare_nodes: int = 0  # whole nodes of hot spares, node ranks nnodes..nnodes+spare_nodes-1
+    node_wait_s: float = 30.0  # a lost node's ranks wait this long for capacity
+    store_secret: str | None = field(default=None, repr=False)  # FLASHRECOVERY_STORE_PREFIX
+
+    @property
+    def multinode(self) -> bool:
+        return self.rdzv_endpoint is not None
+
+    @property
+    def hosts_store(self) -> bool:
+        """Node 0's agent hosts the store and (unless external) the engine."""
+        return self.node_rank == 0
 
     def resolved(self) -> AgentConfig:
         """The config with defaults filled in and every argument checked (ConfigError)."""
@@ -67,12 +115,18 @@ class AgentConfig:
             )
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port must be 0..65535, got {self.metrics_port}")
+        self._check_nodes()
+        if not self.hosts_store:  # a node joining a job: the job and the log are node 0's
+            if self.log_url is None:
+                raise ConfigError("a node other than 0 needs --log: the log node 0 writes to")
+            _check_shared_log(self.log_url, self.rdzv_endpoint)
+            return replace(self, script=self.script.resolve())
         job_id = self.job_id or f"job-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         if not _JOB_ID.match(job_id):
             raise ConfigError(f"job id {job_id!r} may hold only letters, digits, '_', '.', '-'")
         for rank, spec in self.faults.items():
             if not 0 <= rank < self.nproc:
-                raise ConfigError(f"fault for rank {rank}: outside 0..{self.nproc - 1}")
+                raise ConfigError(f"fault for rank {rank}: outside node 0's 0..{self.nproc - 1}")
             try:
                 Fault.parse(spec)
             except ValueError as exc:
@@ -88,8 +142,50 @@ class AgentConfig:
             raise ConfigError("memory:// logs live in one process; the ranks need sqlite or kafka")
         if self.log_url is None:
             (Path.cwd() / "runs" / job_id).mkdir(parents=True, exist_ok=True)
+        _check_shared_log(log_url, self.rdzv_endpoint)
         _check_log(log_url, job_id)
         return replace(self, script=self.script.resolve(), job_id=job_id, log_url=log_url)
+
+    def _check_nodes(self) -> None:
+        if self.nnodes < 1:
+            raise ConfigError(f"--nnodes must be at least 1, got {self.nnodes}")
+        if self.spare_nodes < 0:
+            raise ConfigError(f"--spare-nodes must be 0 or more, got {self.spare_nodes}")
+        if not 0 <= self.node_wait_s <= MAX_NODE_WAIT_S:
+            raise ConfigError(
+                f"--node-wait must be within 0..{MAX_NODE_WAIT_S:.0f}s, got {self.node_wait_s}"
+            )
+        if self.rdzv_endpoint is None:
+            if self.nnodes > 1 or self.spare_nodes or self.node_rank != 0:
+                raise ConfigError("--nnodes, --spare-nodes and --node-rank need --rdzv-endpoint")
+            return
+        nodes = self.nnodes + self.spare_nodes
+        if self.node_rank is not None and not 0 <= self.node_rank < nodes:
+            raise ConfigError(
+                f"--node-rank {self.node_rank}: outside 0..{nodes - 1} (or 'auto', which a "
+                "node joining later uses)"
+            )
+        if not self.store_secret or len(self.store_secret) < MIN_SECRET:
+            raise ConfigError(
+                "a multi-node job needs the same secret in every agent's environment: "
+                "FLASHRECOVERY_STORE_PREFIX of at least 16 characters, e.g. "
+                "`export FLASHRECOVERY_STORE_PREFIX=$(openssl rand -hex 16)` (docs/multinode.md)"
+            )
+        if self.metrics_port is not None and not self.hosts_store:
+            raise ConfigError("--metrics-port: node 0's agent serves the job's metrics")
+        if self.faults and not self.hosts_store:
+            raise ConfigError("--fault names global ranks: give it to node 0's agent only")
+
+
+def _check_shared_log(url: str, endpoint: Endpoint | None) -> None:
+    """Every node writes to the log: an embedded log is a file on one host, so it serves
+    several agents on that host only (a loopback rendezvous), never a job across hosts."""
+    if endpoint is None or endpoint.loopback or urlsplit(url).scheme != "sqlite":
+        return
+    raise ConfigError(
+        f"--rdzv-endpoint {endpoint} spans hosts, but {url} is an embedded log on one host's "
+        "disk that the other nodes cannot share: use a kafka:// log (docs/multinode.md)"
+    )
 
 
 def _check_log(url: str, job_id: str) -> None:

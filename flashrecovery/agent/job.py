@@ -1,21 +1,24 @@
-"""The agent of one job: hosts the store, runs the engine, starts the processes, carries out
-the decisions and ends the job with its status (docs/protocol.md)."""
+"""The agent of one node of a job: node 0's hosts the store and runs the engine; every agent
+starts its node's processes, heartbeats for the node, carries out the decisions that name its
+node and ends with the job's status (docs/protocol.md, docs/multinode.md)."""
 
 from __future__ import annotations
 
-import datetime
 import os
 import signal
+import socket
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import structlog
 
 import flashrecovery
+from flashrecovery.agent import rendezvous
 from flashrecovery.agent.actions import SPAWNS_PER_S, Actions, SpawnBudget
 from flashrecovery.agent.config import AgentConfig
 from flashrecovery.agent.store import JobStore
@@ -24,14 +27,24 @@ from flashrecovery.chain import seal
 from flashrecovery.connectors import open_log
 from flashrecovery.connectors.follow import StreamCursor, append_through_outage
 from flashrecovery.engine.loop import EngineLoop
-from flashrecovery.errors import LogError
+from flashrecovery.errors import ConfigError, LogError
 from flashrecovery.observe.exporter import MetricsServer
-from flashrecovery.records import Decision, Envelope, JobFinished, JobStarted, RankExited, Stream
+from flashrecovery.records import (
+    Decision,
+    Envelope,
+    JobFinished,
+    JobStarted,
+    NodeHeartbeat,
+    NodeJoined,
+    RankExited,
+    Stream,
+)
 from flashrecovery.trainer_hooks import final_state
+from flashrecovery.trainer_hooks.heartbeat import HeartbeatThread
 
 log = structlog.get_logger("flashrecovery.agent")
 FOLLOW_TIMEOUT_S = 0.1  # how often the agent looks at its children between decisions
-STORE_TIMEOUT = datetime.timedelta(seconds=60)
+NODES_DONE_WAIT_S = 10.0  # node 0 keeps the store this long for the others to see the end
 STUCK_AFTER_S = 120.0  # a rank has had no live process this long: nothing will recover it
 LOG_OUTAGE_S = 60.0  # how long a record is retried while the log is away
 
@@ -52,14 +65,16 @@ class Outcome:
 
 
 class Agent:
-    """``Agent(config).run()`` runs the job to its end and returns the exit code. Child PIDs are
-    in the log (RankJoined, SpareReady, SpareActivated, ReplacementSpawned records)."""
+    """``Agent(config).run()`` runs the job (or its node's part of it) to its end and returns
+    the exit code. Child PIDs are in the log (RankJoined, SpareReady, SpareActivated,
+    ReplacementSpawned records)."""
 
     def __init__(self, config: AgentConfig) -> None:
         self.config = config.resolved()  # ConfigError before anything starts
-        assert self.config.job_id is not None and self.config.log_url is not None
-        self.job_id: str = self.config.job_id
+        assert self.config.log_url is not None
+        self.job_id: str = self.config.job_id or ""  # a joining node learns it at rendezvous
         self.log_url: str = self.config.log_url
+        self.node: int | None = self.config.node_rank  # None ("auto") until rendezvous
         self._log = open_log(self.log_url)
         self._stop = threading.Event()
         self._generation = 0  # the newest generation a decision named
@@ -74,46 +89,45 @@ class Agent:
             print(f"flashrecovery run: error: metrics port: {exc}", file=sys.stderr)
             self._log.close()
             return 2
-        store = JobStore.open(STORE_TIMEOUT)
-        self._report(
-            JobStarted(
-                job_id=self.job_id,
-                generation=0,
-                source="agent",
-                world_size=config.nproc,
-                spares=config.spares,
-                heartbeat_interval_s=config.heartbeat_interval_s,
-                stall_floor_s=config.stall_floor_s,
-                max_replacements=config.max_replacements,
-                max_incidents=config.max_incidents,
-                shards=config.shards,
-            )
-        )
-        engine = None if config.external_engine else EngineLoop(self.log_url, self.job_id).start()
+        try:
+            member = rendezvous.join(config, self._start_job)
+        except ConfigError as exc:
+            self._log.close()
+            print(f"flashrecovery run: error: {exc}", file=sys.stderr)
+            return 2
+        self.job_id, self.node = member.job_id, member.node
+        engine = None
+        if config.hosts_store and not config.external_engine:
+            engine = EngineLoop(self.log_url, self.job_id).start()
         self._engine = engine
         supervisor = Supervisor(
             [sys.executable, str(config.script), *config.script_args],
-            self._child_env(store),
+            self._child_env(member.store),
             self._on_exit,
             config.output_dir,
+            nproc_per_node=config.nproc,
+            spare_ids=member.next_spare_id,
         )
         actions = Actions(
             supervisor,
-            store.keys,
+            member.store.keys,
             self._report,
             self.job_id,
-            config.spares,
-            SpawnBudget(config.nproc + config.spares, SPAWNS_PER_S),
+            member.spares,
+            SpawnBudget(len(member.ranks) + member.spares, SPAWNS_PER_S),
             refill_at_once=config.spare_refill == "immediate",
+            node=member.node,
+            say=lambda line: print(line, file=sys.stderr, flush=True),
         )
+        heartbeat = self._node_heartbeat(member) if config.multinode else None
         previous = _handle_signals()
         outcome = Outcome("failed", 1, "interrupted")
         try:
-            for rank in range(config.nproc):
+            for rank in member.ranks:
                 supervisor.spawn_rank(rank, fault=config.faults.get(rank))
-            for _ in range(config.spares):
+            for _ in range(member.spares):
                 supervisor.spawn_spare()
-            outcome = self._supervise(supervisor, actions, engine)
+            outcome = self._supervise(member, supervisor, actions, engine)
         except Interrupted as exc:
             outcome = Outcome("failed", 128 + exc.signum, f"interrupted by signal {exc.signum}")
         finally:
@@ -121,7 +135,11 @@ class Agent:
             try:
                 supervisor.teardown()  # first: no child may outlive an unreachable log
             finally:
-                self._finish_report(outcome)
+                if heartbeat is not None:
+                    heartbeat.stop()
+                if config.hosts_store:
+                    self._wait_for_nodes(member, actions, outcome)
+                    self._finish_report(outcome)
                 if engine is not None:
                     engine.stop()
                 if self.metrics is not None:
@@ -131,6 +149,67 @@ class Agent:
         if outcome.status != "completed":
             print(f"flashrecovery: job {self.job_id} failed: {outcome.detail}", file=sys.stderr)
         return outcome.exit_code
+
+    def _start_job(self) -> None:
+        config = self.config
+        self._report(
+            JobStarted(
+                job_id=self.job_id,
+                generation=0,
+                source="agent",
+                world_size=config.nproc * config.nnodes,
+                spares=config.spares,
+                heartbeat_interval_s=config.heartbeat_interval_s,
+                stall_floor_s=config.stall_floor_s,
+                max_replacements=config.max_replacements,
+                max_incidents=config.max_incidents,
+                nodes=config.nnodes,
+                node_wait_s=config.node_wait_s,
+                shards=config.shards,
+            )
+        )
+
+    def _node_heartbeat(self, member: rendezvous.Membership) -> HeartbeatThread:
+        """Say the node joined, then beat for it every interval from a thread of its own."""
+        host, pid = socket.gethostname(), os.getpid()
+        envelope: dict[str, Any] = {
+            "job_id": self.job_id,
+            "generation": 0,
+            "source": f"agent:{member.node}",
+        }
+        self._report(
+            NodeJoined(
+                **envelope,
+                node=member.node,
+                pid=pid,
+                host=host,
+                ranks=len(member.ranks),
+                spares=member.spares,
+            )
+        )
+        thread = HeartbeatThread(
+            self._log,
+            self.config.heartbeat_interval_s,
+            lambda: NodeHeartbeat(**envelope, node=member.node, pid=pid),
+        )
+        thread.start()
+        return thread
+
+    def _wait_for_nodes(
+        self, member: rendezvous.Membership, actions: Actions, outcome: Outcome
+    ) -> None:
+        """Node 0 keeps the store up until every other live agent has seen the job complete
+        (bounded): they read the end from it."""
+        if outcome.status != "completed" or not self.config.multinode:
+            return
+        keys = member.store.keys
+        others = int(keys.add(rendezvous.AGENTS_KEY, 0)) - 1 - len(actions.lost_nodes)
+        deadline = time.monotonic() + NODES_DONE_WAIT_S
+        while int(keys.add(rendezvous.AGENTS_DONE_KEY, 0)) < others:
+            if time.monotonic() > deadline:
+                log.warning("nodes did not confirm the end of the job", expected=others)
+                return
+            time.sleep(FOLLOW_TIMEOUT_S)
 
     def _finish_report(self, outcome: Outcome) -> None:
         """Append JobFinished, sealing the log's hash chains, if the log can take it; the exit
@@ -171,11 +250,17 @@ class Agent:
         self._stop.set()
 
     def _supervise(
-        self, supervisor: Supervisor, actions: Actions, engine: EngineLoop | None
+        self,
+        member: rendezvous.Membership,
+        supervisor: Supervisor,
+        actions: Actions,
+        engine: EngineLoop | None,
     ) -> Outcome:
         # While the log is briefly away the cursor returns nothing: the children train on.
         decisions = StreamCursor(self._log, Stream.DECISIONS, self.job_id, stop=self._stop)
-        world = self.config.nproc
+        world = self.config.nproc * self.config.nnodes
+        keys = member.store.keys
+        counted: set[int] = set()  # finished ranks of this node already added to the count
         down_since: float | None = None
         while True:
             for entry in decisions.poll(FOLLOW_TIMEOUT_S):
@@ -185,13 +270,26 @@ class Agent:
                     if reason is not None:
                         return Outcome("failed", 1, reason)
             actions.tick()
-            if supervisor.ranks_done(world):
-                return Outcome("completed", 0)
+            try:
+                for rank in supervisor.finished_ranks() - counted:
+                    keys.add(rendezvous.RANKS_DONE_KEY, 1)
+                    counted.add(rank)
+                if supervisor.all_finished() and keys.add(rendezvous.RANKS_DONE_KEY, 0) >= world:
+                    if not self.config.hosts_store:
+                        keys.add(rendezvous.AGENTS_DONE_KEY, 1)
+                    return Outcome("completed", 0)
+            except RuntimeError as exc:  # node 0 (or the control plane) is gone with the store
+                return Outcome(
+                    "failed",
+                    1,
+                    f"the job's store at {member.store.host}:{member.store.port} is unreachable, "
+                    f"its host is lost ({str(exc).splitlines()[0]})",
+                )
             if self._stop.is_set():
                 return Outcome("failed", 1, "stopped")
             if engine is not None and engine.error is not None:
                 return Outcome("failed", 1, f"engine stopped: {engine.error!r}")
-            if not supervisor.rank_down(world):
+            if not supervisor.rank_down():
                 down_since = None
             elif down_since is None:
                 down_since = time.monotonic()
@@ -211,7 +309,9 @@ class Agent:
             **inherited,
             **store.environment(),
             "PYTHONPATH": python_path,
-            "WORLD_SIZE": str(self.config.nproc),
+            "WORLD_SIZE": str(self.config.nproc * self.config.nnodes),
+            "LOCAL_WORLD_SIZE": str(self.config.nproc),
+            "GROUP_RANK": str(self.node),
             "OMP_NUM_THREADS": "1",
             "FLASHRECOVERY_JOB_ID": self.job_id,
             "FLASHRECOVERY_LOG": self.log_url,
@@ -227,6 +327,7 @@ class Agent:
                 if self.config.final_state_dir
                 else {}
             ),
+            "FLASHRECOVERY_NODE": str(self.node),
         }
 
     def _on_exit(self, child: Child, code: int) -> None:
@@ -241,6 +342,7 @@ class Agent:
                 pid=child.pid,
                 exit_code=code if code >= 0 else None,
                 signal=-code if code < 0 else None,
+                node=self.node or 0,
             )
         )
 

@@ -1,20 +1,59 @@
-"""Run a training script on N ranks plus hot spares, recovering from rank failures."""
+"""Run a training script on N ranks plus hot spares, recovering from rank and node failures."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
-from flashrecovery.agent.config import SPARE_REFILL, AgentConfig
+from flashrecovery.agent.config import SPARE_REFILL, AgentConfig, Endpoint
 from flashrecovery.errors import ConfigError
 from flashrecovery.observe.exporter import add_metrics_port
 from flashrecovery.trainer_hooks.faults import FaultPlan
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nproc-per-node", type=int, required=True, metavar="N", help="ranks")
-    parser.add_argument("--spares", type=int, default=0, metavar="S", help="hot spare processes")
+    parser.add_argument(
+        "--nproc-per-node", type=int, required=True, metavar="N", help="ranks on each node"
+    )
+    parser.add_argument(
+        "--spares", type=int, default=0, metavar="S", help="hot spare processes on each node"
+    )
+    parser.add_argument(
+        "--nnodes", type=int, default=1, metavar="N", help="training nodes, one agent each"
+    )
+    parser.add_argument(
+        "--node-rank",
+        type=_node_rank,
+        default=0,
+        metavar="K|auto",
+        help="this agent's node (0 hosts the store and the engine); auto: the lowest free one, "
+        "given at rendezvous (a node joining a running job adds its spares)",
+    )
+    parser.add_argument(
+        "--rdzv-endpoint",
+        type=_endpoint,
+        default=None,
+        metavar="HOST:PORT",
+        help="where node 0's agent hosts the job's store (multi-node jobs; every agent needs "
+        "FLASHRECOVERY_STORE_PREFIX, the job's secret, in its environment: docs/multinode.md)",
+    )
+    parser.add_argument(
+        "--spare-nodes",
+        type=int,
+        default=0,
+        metavar="M",
+        help="whole nodes of hot spares (node ranks NNODES..NNODES+M-1, N spares each)",
+    )
+    parser.add_argument(
+        "--node-wait",
+        type=float,
+        default=30.0,
+        metavar="SEC",
+        help="a lost node's ranks with no spare left wait this long for a node to join, then "
+        "the job fails (default 30)",
+    )
     parser.add_argument(
         "--log",
         default=None,
@@ -109,6 +148,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
 
 
+def _node_rank(text: str) -> int | None:
+    if text == "auto":
+        return None
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a node rank or 'auto'")
+    return int(text)
+
+
+def _endpoint(text: str) -> Endpoint:
+    try:
+        return Endpoint.parse(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _faults(specs: list[str]) -> dict[int, str]:
     faults = {}
     for spec in specs:
@@ -150,10 +204,21 @@ def run(args: argparse.Namespace) -> int:
                 shards=args.shards,
                 spare_refill=args.spare_refill,
                 metrics_port=args.metrics_port,
+                nnodes=args.nnodes,
+                node_rank=args.node_rank,
+                rdzv_endpoint=args.rdzv_endpoint,
+                spare_nodes=args.spare_nodes,
+                node_wait_s=args.node_wait,
+                store_secret=os.environ.get("FLASHRECOVERY_STORE_PREFIX"),
             )
         )
     except ConfigError as exc:
         print(f"flashrecovery run: error: {exc}", file=sys.stderr)
         return 2
-    print(f"flashrecovery: job {agent.job_id}, log {agent.log_url}", file=sys.stderr, flush=True)
+    if agent.config.hosts_store:
+        print(f"flashrecovery: job {agent.job_id}, log {agent.log_url}", file=sys.stderr)
+    else:
+        where = agent.config.rdzv_endpoint
+        print(f"flashrecovery: joining the job at {where}, log {agent.log_url}", file=sys.stderr)
+    sys.stderr.flush()
     return agent.run()

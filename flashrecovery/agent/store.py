@@ -1,5 +1,5 @@
-"""What a single-node job opens to the network: the store and gloo, on loopback only, and every
-store key under a secret of the job.
+"""What a job opens to the network: the store and gloo (on loopback only for a single-node job,
+or for loopback "nodes"), and every store key under a secret of the job.
 
 torch's store server binds every interface whatever host it is given; it takes a listening
 socket instead, so the agent binds one to loopback itself. Gloo listens on the interface
@@ -8,6 +8,10 @@ loopback interface. Every store key lives under a random prefix that only the jo
 know (FLASHRECOVERY_STORE_PREFIX in their environment, never logged, never in a record or an
 argv; trainer_hooks/groups.py ``job_keys``): a client that reaches the port without it cannot
 cast a vote, pass a barrier or hand a spare a rank, since it writes keys nobody reads.
+
+A multi-node job's store listens on the rendezvous endpoint node 0's agent is given; every agent
+must then know the secret beforehand (FLASHRECOVERY_STORE_PREFIX in its environment,
+docs/multinode.md), and the other agents connect to the store as clients.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from dataclasses import dataclass, field
 import psutil
 import torch.distributed as dist
 
+from flashrecovery.agent.config import is_loopback
 from flashrecovery.errors import ConfigError
 from flashrecovery.trainer_hooks.groups import job_keys
 
@@ -32,17 +37,31 @@ class JobStore:
     """The agent's side of the store: ``keys`` is the secret-prefixed view every key goes
     through (it keeps the listening server alive)."""
 
+    host: str
     port: int
     prefix: str = field(repr=False)
     keys: dist.Store = field(repr=False)
 
     @classmethod
-    def open(cls, timeout: datetime.timedelta) -> JobStore:
-        listener = socket.create_server((LOOPBACK, 0), backlog=BACKLOG)
+    def open(
+        cls,
+        timeout: datetime.timedelta,
+        host: str = LOOPBACK,
+        port: int = 0,
+        prefix: str | None = None,
+    ) -> JobStore:
+        """Host the store on ``host:port`` (a free port when 0) under ``prefix`` (new when
+        None)."""
+        try:
+            listener = socket.create_server((host, port), backlog=BACKLOG)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot listen on {host}:{port} for the job's store: {exc}"
+            ) from None
         port = listener.getsockname()[1]
         try:
             server = dist.TCPStore(
-                LOOPBACK,
+                host,
                 port,
                 is_master=True,
                 wait_for_workers=False,
@@ -54,17 +73,29 @@ class JobStore:
             listener.close()
             raise
         listener.detach()  # the store owns (and closes) the descriptor now
-        prefix = secrets.token_hex(16)
-        return cls(port, prefix, job_keys(prefix, server))
+        prefix = prefix or secrets.token_hex(16)
+        return cls(host, port, prefix, job_keys(prefix, server))
+
+    @classmethod
+    def connect(cls, host: str, port: int, prefix: str, timeout: datetime.timedelta) -> JobStore:
+        """Another node's agent: a client of the store node 0 hosts (waits up to ``timeout``
+        for it to listen)."""
+        try:
+            client = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        except RuntimeError as exc:
+            raise ConfigError(f"no job store at {host}:{port} within {timeout}: {exc}") from None
+        return cls(host, port, prefix, job_keys(prefix, client))
 
     def environment(self) -> dict[str, str]:
         """How a rank reaches the store and its peers."""
-        return {
-            "MASTER_ADDR": LOOPBACK,
+        env = {
+            "MASTER_ADDR": self.host,
             "MASTER_PORT": str(self.port),
             "FLASHRECOVERY_STORE_PREFIX": self.prefix,
-            "GLOO_SOCKET_IFNAME": loopback_interface(),
         }
+        if is_loopback(self.host):
+            env["GLOO_SOCKET_IFNAME"] = loopback_interface()
+        return env
 
 
 def loopback_interface() -> str:

@@ -44,15 +44,19 @@ class Supervisor:
         env: Mapping[str, str],
         on_exit: Callable[[Child, int], None],
         output_dir: Path | None = None,
+        *,
+        nproc_per_node: int,
+        spare_ids: Callable[[], int],
     ) -> None:
         self._command = command
         self._env = dict(env)
         self._on_exit = on_exit  # called from the child's waiter thread, unless tearing down
         self._output_dir = output_dir
+        self._per_node = nproc_per_node  # a rank's LOCAL_RANK: its place on its node
+        self._spare_ids = spare_ids  # unique job-wide (the job's store counts them)
         self._lock = threading.Lock()
         self._children: list[Child] = []
-        self._holders: dict[int, Child] = {}  # rank -> the process holding it now
-        self._next_spare_id = 0
+        self._holders: dict[int, Child] = {}  # rank -> the process holding it on this node
         self._tearing_down = False
 
     # ------------------------------------------------------------------ starting
@@ -62,7 +66,7 @@ class Supervisor:
     ) -> Child:
         env = {
             "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
+            "LOCAL_RANK": str(rank % self._per_node),
             "FLASHRECOVERY_ROLE": "rank",
             "FLASHRECOVERY_GENERATION": str(generation),
             "FLASHRECOVERY_REPLACEMENT": "1" if replacement else "0",
@@ -75,8 +79,7 @@ class Supervisor:
         return child
 
     def spawn_spare(self) -> Child:
-        with self._lock:
-            spare_id, self._next_spare_id = self._next_spare_id, self._next_spare_id + 1
+        spare_id = self._spare_ids()
         env = {"FLASHRECOVERY_ROLE": "spare", "FLASHRECOVERY_SPARE_ID": str(spare_id)}
         return self._spawn(env, None, spare_id, 0)
 
@@ -136,17 +139,26 @@ class Supervisor:
 
     # ------------------------------------------------------------------ observing
 
-    def ranks_done(self, world_size: int) -> bool:
-        """Every rank's current process has exited with status 0."""
+    def release(self, rank: int) -> None:
+        """The rank is held on another node from now on."""
         with self._lock:
-            holders = [self._holders.get(r) for r in range(world_size)]
-        return all(c is not None and c.popen.poll() == 0 for c in holders)
+            self._holders.pop(rank, None)
 
-    def rank_down(self, world_size: int) -> bool:
-        """Some rank's current process failed and nothing holds the rank yet."""
+    def finished_ranks(self) -> set[int]:
+        """The ranks held here whose current process has exited with status 0."""
         with self._lock:
-            holders = [self._holders.get(r) for r in range(world_size)]
-        return any(c is not None and c.popen.poll() not in (None, 0) for c in holders)
+            return {r for r, c in self._holders.items() if c.popen.poll() == 0}
+
+    def all_finished(self) -> bool:
+        """Every rank held here (none on a spare node) has exited with status 0."""
+        with self._lock:
+            return all(c.popen.poll() == 0 for c in self._holders.values())
+
+    def rank_down(self) -> bool:
+        """Some rank's process here failed and nothing holds the rank yet."""
+        with self._lock:
+            holders = list(self._holders.values())
+        return any(c.popen.poll() not in (None, 0) for c in holders)
 
     def idle_spares(self) -> int:
         with self._lock:

@@ -8,13 +8,13 @@ from dataclasses import dataclass
 from flashrecovery.engine.state import EngineState
 
 
-def choose_spare(state: EngineState) -> int | None:
-    """A ready spare of the node with the most of them (a lost node's ranks then land
-    together), the lowest id there (oldest, so warmed up longest); None: none is ready."""
+def choose_spares(state: EngineState, count: int) -> list[int]:
+    """Up to ``count`` ready spares, from the node with the most of them first (the ranks of a
+    lost node then land together), the lowest ids there (oldest, so warmed up longest)."""
     ready = state.ready_spares()
     per_node = Counter(s.node for s in ready)
-    best = min(ready, key=lambda s: (-per_node[s.node], s.spare_id), default=None)
-    return best.spare_id if best else None
+    ready.sort(key=lambda s: (-per_node[s.node], s.node, s.spare_id))
+    return [s.spare_id for s in ready[:count]]
 
 
 @dataclass(frozen=True)

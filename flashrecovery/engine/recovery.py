@@ -189,7 +189,12 @@ def place(ctx: Context, ranks: list[int], incident_id: str) -> None:
     """Choose each rank's replacement: a ready spare of any node, else a fresh process on the
     rank's own node if that node lives; ranks with neither wait for a node (AwaitNode)."""
     state = ctx.state
-    homeless = [r for r in ranks if not choose_replacement(ctx, r, incident_id)]
+    spares = planner.choose_spares(state, len(ranks))
+    homeless = [
+        rank
+        for rank, spare_id in zip(ranks, [*spares, *[None] * len(ranks)], strict=False)
+        if not replace_rank(ctx, rank, incident_id, spare_id)
+    ]
     if not homeless:
         return
     config = state.config
@@ -210,7 +215,7 @@ def place_waiting(ctx: Context) -> None:
     incident_id = state.awaiting_node.pop(rank)
     if not state.awaiting_node:
         state.awaiting_node_since = None
-    choose_replacement(ctx, rank, incident_id)
+    place(ctx, [rank], incident_id)
 
 
 def node_wait_expired(ctx: Context, ranks: list[int], waited_s: float) -> None:
@@ -230,13 +235,12 @@ def node_wait_expired(ctx: Context, ranks: list[int], waited_s: float) -> None:
     fail_job(ctx, still[0], 1, incident.reason, verdict, incident_id)
 
 
-def choose_replacement(ctx: Context, rank: int, incident_id: str) -> bool:
-    """A ready spare if there is one, else a fresh process on the rank's node if it lives
+def replace_rank(ctx: Context, rank: int, incident_id: str, spare_id: int | None) -> bool:
+    """Hand the rank to the spare, else to a fresh process on the rank's node if it lives
     (False: neither); the rank's pid becomes the spare's at once, so that its death before it
     takes over is recognised."""
     state = ctx.state
     view = state.ranks[rank]
-    spare_id = planner.choose_spare(state)
     if spare_id is not None:
         spare = state.spares[spare_id]
         ctx.emit(

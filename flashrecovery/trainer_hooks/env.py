@@ -30,6 +30,7 @@ class LaunchEnv:
     fault_plan: FaultPlan
     final_state_dir: Path | None  # where finish() leaves the final state (final_state.py)
     shards: int = 1  # rank r holds model shard r % shards
+    node: int = 0  # the node whose agent started it (FLASHRECOVERY_NODE)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> LaunchEnv:
@@ -67,6 +68,7 @@ class LaunchEnv:
                 else None,
                 fault_plan=FaultPlan.parse(env.get("FLASHRECOVERY_FAULT_PLAN", "")),
                 final_state_dir=Path(env[final_state.ENV]) if env.get(final_state.ENV) else None,
+                node=int(env.get("FLASHRECOVERY_NODE", "0")),
             )
         except ValueError as exc:
             raise LaunchError(f"bad launch environment: {exc}") from None

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from flashrecovery.connectors.base import LogConnector
 from flashrecovery.errors import LogError
-from flashrecovery.records import Heartbeat, SpareHeartbeat, Stream
+from flashrecovery.records import Envelope, Stream
 
 
 class HeartbeatThread:
@@ -17,7 +17,7 @@ class HeartbeatThread:
         self,
         log: LogConnector,
         interval_s: float,
-        beat: Callable[[], Heartbeat | SpareHeartbeat | None],
+        beat: Callable[[], Envelope | None],
     ) -> None:
         self._log = log
         self._interval_s = interval_s

@@ -399,7 +399,13 @@ class Session:
     def _report_ready(self) -> None:
         if not self._spare_ready:
             assert self._env.spare_id is not None
-            self._append(SpareReady, spare_id=self._env.spare_id, pid=self._pid, host=self._host)
+            self._append(
+                SpareReady,
+                spare_id=self._env.spare_id,
+                pid=self._pid,
+                host=self._host,
+                node=self._env.node,
+            )
             self._spare_ready = True
 
     def _await_assignment(self) -> None:

@@ -1,0 +1,93 @@
+"""Where an agent finds its job and its node (docs/multinode.md).
+
+Node 0's agent hosts the job's store on the rendezvous endpoint, starts the job (JobStarted) and
+publishes its id there; every other agent connects, reads the job id and claims a node rank: its
+own (``--node-rank K``, refused if another agent holds it) or the lowest free one (``auto``).
+Node ranks below ``--nnodes`` train (ranks laid out node by node, as torchrun does); the others
+are spare nodes, each keeping ``--nproc-per-node`` hot spares for the whole job. A single-node
+job is node 0 with a store of its own on a free loopback port, as it always was.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from flashrecovery.agent.config import AgentConfig
+from flashrecovery.agent.store import JobStore
+from flashrecovery.errors import ConfigError
+
+STORE_TIMEOUT = datetime.timedelta(seconds=60)
+JOIN_TIMEOUT = datetime.timedelta(seconds=60)  # a node waits this long for node 0's store and job
+MAX_NODES = 4096  # node ranks an `auto` agent tries
+
+# Store keys (under the job's secret prefix, like every key).
+JOB_KEY = "rdzv/job"  # the job id, once node 0 has started the job
+AGENTS_KEY = "rdzv/agents"  # agents that joined
+AGENTS_DONE_KEY = "rdzv/agents-done"  # agents that saw the job complete
+RANKS_DONE_KEY = "ranks-done"  # ranks whose process exited 0 after the last step
+SPARE_IDS_KEY = "spare-ids"  # spare ids handed out, job-wide
+
+
+@dataclass(frozen=True)
+class Membership:
+    """One agent's place in the job."""
+
+    store: JobStore
+    job_id: str
+    node: int
+    ranks: list[int]  # the global ranks it starts
+    spares: int  # the hot spares it keeps
+
+    def next_spare_id(self) -> int:
+        """A spare id no other node uses."""
+        return int(self.store.keys.add(SPARE_IDS_KEY, 1)) - 1
+
+
+def join(config: AgentConfig, start_job: Callable[[], None]) -> Membership:
+    """Open or reach the job's store and take this agent's node; ``start_job`` (node 0's
+    agent) appends JobStarted before any other node can see the job."""
+    endpoint = config.rdzv_endpoint
+    if endpoint is None:
+        store = JobStore.open(STORE_TIMEOUT)
+    elif config.hosts_store:
+        store = JobStore.open(STORE_TIMEOUT, endpoint.host, endpoint.port, config.store_secret)
+    else:
+        assert config.store_secret is not None
+        store = JobStore.connect(endpoint.host, endpoint.port, config.store_secret, JOIN_TIMEOUT)
+    if config.hosts_store:
+        assert config.job_id is not None
+        start_job()
+        store.keys.set(JOB_KEY, config.job_id)
+        job_id = config.job_id
+    else:
+        try:
+            job_id = store.keys.get(JOB_KEY).decode()
+        except RuntimeError:
+            raise ConfigError(
+                f"the store at {endpoint} answered but started no job within {JOIN_TIMEOUT} "
+                "(is FLASHRECOVERY_STORE_PREFIX the same on every node?)"
+            ) from None
+        if config.job_id is not None and config.job_id != job_id:
+            raise ConfigError(f"--job-id {config.job_id!r}, but node 0 runs job {job_id!r}")
+    node = _claim(store, config.node_rank)
+    store.keys.add(AGENTS_KEY, 1)
+    if node < config.nnodes:
+        ranks = list(range(node * config.nproc, (node + 1) * config.nproc))
+        return Membership(store, job_id, node, ranks, config.spares)
+    return Membership(store, job_id, node, [], config.nproc)  # a spare node
+
+
+def _claim(store: JobStore, wanted: int | None) -> int:
+    token = f"{socket.gethostname()}:{os.getpid()}"
+    holder = ""
+    for node in [wanted] if wanted is not None else range(MAX_NODES):
+        holder = store.keys.compare_set(f"rdzv/node/{node}", "", token).decode()
+        if holder == token:
+            return node
+    if wanted is not None:
+        raise ConfigError(f"node rank {wanted} is taken by the agent {holder}")
+    raise ConfigError(f"no free node rank below {MAX_NODES}")

@@ -1,0 +1,107 @@
+"""Live multi-node jobs for the tests: loopback "nodes" (one agent process each, its own
+process group), real signals to a rank or to a whole node, an sqlite log in tmp_path.
+
+``run_nodes`` follows the job's log and runs the scenario's steps as events arrive (each may
+signal a rank, a node, or start a node); it ends when node 0's agent exits, ends whatever agent
+is left, and checks that no process of the job is left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from livejob import HEARTBEAT_S, SCRIPT, STEP_TIME_S, STEPS, JobResult, Processes, _alive
+
+from flashrecovery.agent.loopback import LoopbackNodes
+from flashrecovery.connectors import open_log
+from flashrecovery.records import Envelope, Stream
+
+NODES_TIMEOUT_S = 150.0
+
+# A step of a scenario: called with each new event, the processes known so far and the nodes;
+# returns True once it has done its part.
+NodeScenario = Callable[[Envelope, Processes, LoopbackNodes], bool]
+
+
+def run_nodes(
+    tmp_path: Path,
+    *,
+    nnodes: int = 2,
+    nproc: int = 2,
+    spares: int = 1,
+    spare_nodes: int = 0,
+    scenario: list[NodeScenario] | None = None,
+    script_args: list[str] | None = None,
+) -> tuple[JobResult, dict[int, int | None]]:
+    """Run the training script on ``nnodes`` x ``nproc`` ranks; returns the job and each
+    agent's exit code (None: it had to be ended)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    args = ["--steps", str(STEPS), "--out", str(out), "--step-time", str(STEP_TIME_S)]
+    db = tmp_path / "log.db"
+    nodes = LoopbackNodes(
+        script=SCRIPT,
+        script_args=[*args, *(script_args or [])],
+        log_url=f"sqlite:///{db}",
+        job_id="nodes",
+        nnodes=nnodes,
+        nproc=nproc,
+        spares=spares,
+        spare_nodes=spare_nodes,
+        agent_args=["--heartbeat-interval", str(HEARTBEAT_S)],
+        output_dir=tmp_path / "output",
+    ).start()
+    deadline = time.monotonic() + NODES_TIMEOUT_S
+    codes: dict[int, int | None] = {}
+    try:
+        while not db.exists() and nodes.wait(0, 0.1) is None:
+            assert time.monotonic() < deadline, "node 0 never opened the log"
+        log = open_log(nodes.log_url, read_only=True)
+        known, steps, position = Processes(), list(scenario or []), 0
+        while nodes.wait(0, 0) is None and time.monotonic() < deadline:
+            for entry in log.follow(Stream.EVENTS, nodes.job_id, position, 0.2):
+                position = entry.position + 1
+                record = entry.record
+                assert record is not None, entry.error
+                if record.type in ("rank_joined", "spare_activated", "replacement_spawned"):
+                    known.ranks[record.rank] = record.pid
+                if record.type == "spare_ready":
+                    known.spares[record.spare_id] = record.pid
+                if steps and steps[0](record, known, nodes):
+                    steps.pop(0)
+        codes = {node: nodes.wait(node, 10.0) for node in nodes.agents}
+    finally:
+        nodes.teardown()
+    code = codes.get(0)
+    job = JobResult(-1 if code is None else code, log, nodes.job_id, out)
+    left = [pid for pid in {*job.pids(), *(a.pid for a in nodes.agents.values())} if _alive(pid)]
+    assert not left, f"processes of the job still running: {left}"
+    return job, codes
+
+
+def kill_rank_at(rank: int, step: int) -> NodeScenario:
+    """SIGKILL the rank's process once the log shows it committed ``step``."""
+
+    def scenario(record: Envelope, known: Processes, nodes: LoopbackNodes) -> bool:
+        if record.type == "step_completed" and (record.rank, record.step) == (rank, step):  # type: ignore[attr-defined]
+            os.kill(known.ranks[rank], signal.SIGKILL)
+            return True
+        return False
+
+    return scenario
+
+
+def signal_node_at(node: int, rank: int, step: int, sig: signal.Signals) -> NodeScenario:
+    """Send ``sig`` to the node's agent process group once ``rank`` committed ``step``."""
+
+    def scenario(record: Envelope, known: Processes, nodes: LoopbackNodes) -> bool:
+        if record.type == "step_completed" and (record.rank, record.step) == (rank, step):  # type: ignore[attr-defined]
+            nodes.signal_node(node, sig)
+            return True
+        return False
+
+    return scenario

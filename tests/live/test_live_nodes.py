@@ -1,0 +1,125 @@
+"""Live multi-node jobs on loopback "nodes" (an agent process each): a rank lost on node 1, a
+whole node SIGKILLed, an agent SIGSTOPped, a node that joins a running job. Each ends bitwise
+equal to a fault-free run, keeps the healthy ranks' processes, replays, and leaves no process."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from livejob import STEPS, JobResult
+from nodesjob import kill_rank_at, run_nodes, signal_node_at
+
+from flashrecovery.engine.replay import replay_job
+
+pytestmark = pytest.mark.timeout(300)
+WORLD = 4  # 2 nodes x 2 ranks
+
+
+@pytest.fixture(scope="module")
+def nodes_reference(tmp_path_factory: pytest.TempPathFactory) -> torch.Tensor:
+    """A fault-free 2 x 2 run: every agent completes, ranks laid out node by node."""
+    job, codes = run_nodes(tmp_path_factory.mktemp("nodes-reference"), spares=0)
+    assert codes == {0: 0, 1: 0}
+    joined = {r.rank: r.pid for r in job.records(type="rank_joined")}
+    assert sorted(joined) == list(range(WORLD))
+    params: torch.Tensor = job.final(0)["params"]
+    return params
+
+
+def assert_recovered(job: JobResult, reference: torch.Tensor, failed: set[int]) -> None:
+    assert job.exit_code == 0, job.records(type="job_finished")
+    for rank in range(WORLD):
+        assert torch.equal(job.final(rank)["params"], reference), f"rank {rank} diverged"
+    joined = {r.rank: r.pid for r in job.records(type="rank_joined")}
+    for rank in set(range(WORLD)) - failed:
+        assert job.final(rank)["pid"] == joined[rank], f"healthy rank {rank} was restarted"
+    for rank in failed:
+        assert job.final(rank)["pid"] != joined[rank]
+    [closed] = job.decisions("incident_closed")
+    assert sorted(closed.failed_ranks) == sorted(failed) and closed.rpo_steps == 0
+    report = replay_job(job.log, job.job_id)
+    assert report.ok, report.divergence and report.divergence.describe()
+
+
+def test_rank_killed_on_node_1_is_replaced(tmp_path: Path, nodes_reference: torch.Tensor) -> None:
+    job, codes = run_nodes(tmp_path, scenario=[kill_rank_at(3, 8)])
+    assert codes == {0: 0, 1: 0}
+    assert_recovered(job, nodes_reference, failed={3})
+    [assigned] = job.decisions("assign_spare")
+    ready = {s.spare_id: s.node for s in job.records(type="spare_ready")}
+    assert assigned.rank == 3 and assigned.node == ready[assigned.spare_id]
+    assert job.decisions("isolate_node") == []
+
+
+def test_node_killed_its_ranks_move_together_to_the_spare_node(
+    tmp_path: Path, nodes_reference: torch.Tensor
+) -> None:
+    job, codes = run_nodes(
+        tmp_path, spare_nodes=1, scenario=[signal_node_at(1, 2, 8, signal.SIGKILL)]
+    )
+    assert codes[0] == 0 and codes[2] == 0 and codes[1] == -signal.SIGKILL
+    assert_recovered(job, nodes_reference, failed={2, 3})
+    [missed] = job.records(type="node_missed")
+    assert missed.node == 1
+    [isolated] = job.decisions("isolate_node")
+    assert (isolated.node, isolated.ranks) == (1, [2, 3])
+    assigned = job.decisions("assign_spare")
+    assert sorted(a.rank for a in assigned) == [2, 3]
+    assert {a.node for a in assigned} == {2}  # the spare node's two spares, together
+    assert len({a.incident_id for a in job.decisions("isolate_rank")}) == 1
+    assert job.records(type="heartbeat_missed") == []  # one finding for the node, not per rank
+
+
+def test_agent_stopped_its_ranks_are_replaced_by_the_other_nodes_spares(
+    tmp_path: Path, nodes_reference: torch.Tensor
+) -> None:
+    job, codes = run_nodes(tmp_path, scenario=[signal_node_at(1, 3, 8, signal.SIGSTOP)])
+    assert codes[0] == 0
+    assert_recovered(job, nodes_reference, failed={2, 3})
+    [isolated] = job.decisions("isolate_node")
+    assert isolated.node == 1 and "no heartbeat" in isolated.reason
+    assigned = job.decisions("assign_spare")
+    assert sorted(a.rank for a in assigned) == [2, 3]
+    spawned = job.decisions("spawn_replacement")
+    # Node 0's one spare takes a rank; the other rank gets a spare node 0 refilled, or waits.
+    assert {a.node for a in assigned} | {s.node for s in spawned} == {0}
+
+
+def test_a_node_joining_later_brings_the_spare_that_takes_over(
+    tmp_path: Path, nodes_reference: torch.Tensor
+) -> None:
+    gate = tmp_path / "gate"
+    joined: list[int] = []
+
+    def add_node(record, known, nodes) -> bool:  # type: ignore[no-untyped-def]
+        if record.type == "step_completed" and record.step == 4:
+            joined.append(nodes.add_node())
+            return True
+        return False
+
+    def kill_when_its_spares_are_ready(record, known, nodes) -> bool:  # type: ignore[no-untyped-def]
+        if record.type == "spare_ready" and record.node == 2:
+            known_pid = known.ranks[1]
+            import os
+
+            os.kill(known_pid, signal.SIGKILL)
+            gate.touch()
+            return True
+        return False
+
+    job, codes = run_nodes(
+        tmp_path,
+        spares=0,
+        scenario=[add_node, kill_when_its_spares_are_ready],
+        script_args=["--hold-at", "10", "--hold-file", str(gate)],
+    )
+    assert joined == [2] and codes[0] == 0 and codes[2] == 0
+    assert_recovered(job, nodes_reference, failed={1})
+    [assigned] = job.decisions("assign_spare")
+    assert (assigned.rank, assigned.node) == (1, 2)
+    [node] = [n for n in job.records(type="node_joined") if n.node == 2]
+    assert (node.ranks, node.spares) == (0, 2)
+    assert STEPS > 10
