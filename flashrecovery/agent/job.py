@@ -39,7 +39,7 @@ from flashrecovery.records import (
     RankExited,
     Stream,
 )
-from flashrecovery.trainer_hooks import final_state
+from flashrecovery.trainer_hooks import barrier, final_state
 from flashrecovery.trainer_hooks.heartbeat import HeartbeatThread
 
 log = structlog.get_logger("flashrecovery.agent")
@@ -258,9 +258,7 @@ class Agent:
     ) -> Outcome:
         # While the log is briefly away the cursor returns nothing: the children train on.
         decisions = StreamCursor(self._log, Stream.DECISIONS, self.job_id, stop=self._stop)
-        world = self.config.nproc * self.config.nnodes
         keys = member.store.keys
-        counted: set[int] = set()  # finished ranks of this node already added to the count
         down_since: float | None = None
         while True:
             for entry in decisions.poll(FOLLOW_TIMEOUT_S):
@@ -271,10 +269,12 @@ class Agent:
                         return Outcome("failed", 1, reason)
             actions.tick()
             try:
-                for rank in supervisor.finished_ranks() - counted:
-                    keys.add(rendezvous.RANKS_DONE_KEY, 1)
-                    counted.add(rank)
-                if supervisor.all_finished() and keys.add(rendezvous.RANKS_DONE_KEY, 0) >= world:
+                # A single node holds every rank; across nodes, every member passed the last
+                # generation's `done` barrier (docs/protocol.md): training is over everywhere.
+                if supervisor.all_finished() and (
+                    not self.config.multinode
+                    or barrier.passed(keys, barrier.name(self._generation, "done"))
+                ):
                     if not self.config.hosts_store:
                         keys.add(rendezvous.AGENTS_DONE_KEY, 1)
                     return Outcome("completed", 0)

@@ -28,7 +28,6 @@ MAX_NODES = 4096  # node ranks an `auto` agent tries
 JOB_KEY = "rdzv/job"  # the job id, once node 0 has started the job
 AGENTS_KEY = "rdzv/agents"  # agents that joined
 AGENTS_DONE_KEY = "rdzv/agents-done"  # agents that saw the job complete
-RANKS_DONE_KEY = "ranks-done"  # ranks whose process exited 0 after the last step
 SPARE_IDS_KEY = "spare-ids"  # spare ids handed out, job-wide
 
 

@@ -144,11 +144,6 @@ class Supervisor:
         with self._lock:
             self._holders.pop(rank, None)
 
-    def finished_ranks(self) -> set[int]:
-        """The ranks held here whose current process has exited with status 0."""
-        with self._lock:
-            return {r for r, c in self._holders.items() if c.popen.poll() == 0}
-
     def all_finished(self) -> bool:
         """Every rank held here (none on a spare node) has exited with status 0."""
         with self._lock:

@@ -29,6 +29,12 @@ def wait(store: dist.Store, key: str, world_size: int, timeout: datetime.timedel
     return store.get(f"{key}/result").decode() == PASSED
 
 
+def passed(store: dist.Store, key: str) -> bool:
+    """Whether the barrier has passed (without waiting: for onlookers such as the agents)."""
+    result = f"{key}/result"
+    return store.check([result]) and store.get(result).decode() == PASSED
+
+
 def supersede(store: dist.Store, key: str) -> None:
     """Release the members waiting at a barrier that can't pass any more (unless it passed)."""
     store.compare_set(f"{key}/result", "", SUPERSEDED)

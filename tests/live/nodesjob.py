@@ -18,7 +18,7 @@ from livejob import HEARTBEAT_S, SCRIPT, STEP_TIME_S, STEPS, JobResult, Processe
 
 from flashrecovery.agent.loopback import LoopbackNodes
 from flashrecovery.connectors import open_log
-from flashrecovery.records import Envelope, Stream
+from flashrecovery.records import Envelope, StepCompleted, Stream
 
 NODES_TIMEOUT_S = 150.0
 
@@ -83,25 +83,36 @@ def run_nodes(
     return job, codes
 
 
-def kill_rank_at(rank: int, step: int) -> NodeScenario:
-    """SIGKILL the rank's process once the log shows it committed ``step``."""
+def when(
+    happened: Callable[[Envelope], bool], act: Callable[[Processes, LoopbackNodes], object]
+) -> NodeScenario:
+    """A scenario step: ``act`` once the first record for which ``happened`` holds arrives."""
 
     def scenario(record: Envelope, known: Processes, nodes: LoopbackNodes) -> bool:
-        if record.type == "step_completed" and (record.rank, record.step) == (rank, step):  # type: ignore[attr-defined]
-            os.kill(known.ranks[rank], signal.SIGKILL)
+        if happened(record):
+            act(known, nodes)
             return True
         return False
 
     return scenario
 
 
-def signal_node_at(node: int, rank: int, step: int, sig: signal.Signals) -> NodeScenario:
-    """Send ``sig`` to the node's agent process group once ``rank`` committed ``step``."""
+def committed(rank: int, step: int) -> Callable[[Envelope], bool]:
+    return lambda r: isinstance(r, StepCompleted) and (r.rank, r.step) == (rank, step)
 
-    def scenario(record: Envelope, known: Processes, nodes: LoopbackNodes) -> bool:
-        if record.type == "step_completed" and (record.rank, record.step) == (rank, step):  # type: ignore[attr-defined]
-            nodes.signal_node(node, sig)
-            return True
-        return False
 
-    return scenario
+def of_type(record_type: str) -> Callable[[Envelope], bool]:
+    return lambda r: r.type == record_type
+
+
+def kill_rank(rank: int) -> Callable[[Processes, LoopbackNodes], None]:
+    return lambda known, nodes: os.kill(known.ranks[rank], signal.SIGKILL)
+
+
+def signal_node(node: int, sig: signal.Signals) -> Callable[[Processes, LoopbackNodes], None]:
+    return lambda known, nodes: nodes.signal_node(node, sig)
+
+
+def open_gate(gate: Path) -> Callable[[Processes, LoopbackNodes], None]:
+    """Let the ranks held at ``--hold-at`` (the training script's gate) go on."""
+    return lambda known, nodes: gate.touch()

@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from livejob import STEPS, JobResult
-from nodesjob import kill_rank_at, run_nodes, signal_node_at
+from livejob import JobResult, Processes
+from nodesjob import committed, kill_rank, of_type, open_gate, run_nodes, signal_node, when
 
+from flashrecovery.agent.loopback import LoopbackNodes
 from flashrecovery.engine.replay import replay_job
+from flashrecovery.records import SpareReady
 
 pytestmark = pytest.mark.timeout(300)
 WORLD = 4  # 2 nodes x 2 ranks
@@ -45,7 +47,7 @@ def assert_recovered(job: JobResult, reference: torch.Tensor, failed: set[int]) 
 
 
 def test_rank_killed_on_node_1_is_replaced(tmp_path: Path, nodes_reference: torch.Tensor) -> None:
-    job, codes = run_nodes(tmp_path, scenario=[kill_rank_at(3, 8)])
+    job, codes = run_nodes(tmp_path, scenario=[when(committed(3, 8), kill_rank(3))])
     assert codes == {0: 0, 1: 0}
     assert_recovered(job, nodes_reference, failed={3})
     [assigned] = job.decisions("assign_spare")
@@ -58,7 +60,9 @@ def test_node_killed_its_ranks_move_together_to_the_spare_node(
     tmp_path: Path, nodes_reference: torch.Tensor
 ) -> None:
     job, codes = run_nodes(
-        tmp_path, spare_nodes=1, scenario=[signal_node_at(1, 2, 8, signal.SIGKILL)]
+        tmp_path,
+        spare_nodes=1,
+        scenario=[when(committed(2, 8), signal_node(1, signal.SIGKILL))],
     )
     assert codes[0] == 0 and codes[2] == 0 and codes[1] == -signal.SIGKILL
     assert_recovered(job, nodes_reference, failed={2, 3})
@@ -76,50 +80,53 @@ def test_node_killed_its_ranks_move_together_to_the_spare_node(
 def test_agent_stopped_its_ranks_are_replaced_by_the_other_nodes_spares(
     tmp_path: Path, nodes_reference: torch.Tensor
 ) -> None:
-    job, codes = run_nodes(tmp_path, scenario=[signal_node_at(1, 3, 8, signal.SIGSTOP)])
-    assert codes[0] == 0
+    """The stopped agent's ranks still run: the ranks hold at step 10 until the node is found
+    lost, so the job can't end before. Node 0's one spare takes a rank, the other waits for
+    the spare node 0 starts in its place."""
+    gate = tmp_path / "gate"
+    job, codes = run_nodes(
+        tmp_path,
+        scenario=[
+            when(committed(3, 8), signal_node(1, signal.SIGSTOP)),
+            when(of_type("node_missed"), open_gate(gate)),
+        ],
+        script_args=["--hold-at", "10", "--hold-file", str(gate)],
+    )
+    assert codes[0] == 0 and codes[1] is None  # stopped to the end, then torn down
     assert_recovered(job, nodes_reference, failed={2, 3})
     [isolated] = job.decisions("isolate_node")
     assert isolated.node == 1 and "no heartbeat" in isolated.reason
     assigned = job.decisions("assign_spare")
     assert sorted(a.rank for a in assigned) == [2, 3]
-    spawned = job.decisions("spawn_replacement")
-    # Node 0's one spare takes a rank; the other rank gets a spare node 0 refilled, or waits.
-    assert {a.node for a in assigned} | {s.node for s in spawned} == {0}
+    assert {a.node for a in assigned} == {0}
+    [waited] = job.decisions("await_node")
+    assert len(waited.ranks) == 1
 
 
 def test_a_node_joining_later_brings_the_spare_that_takes_over(
     tmp_path: Path, nodes_reference: torch.Tensor
 ) -> None:
+    """A job without spares; a node joins with `--node-rank auto` while the ranks hold at step
+    10; once its spares are ready rank 1 is killed, and one of them takes over."""
     gate = tmp_path / "gate"
-    joined: list[int] = []
+    spare_of_node_2 = lambda r: isinstance(r, SpareReady) and r.node == 2  # noqa: E731
 
-    def add_node(record, known, nodes) -> bool:  # type: ignore[no-untyped-def]
-        if record.type == "step_completed" and record.step == 4:
-            joined.append(nodes.add_node())
-            return True
-        return False
-
-    def kill_when_its_spares_are_ready(record, known, nodes) -> bool:  # type: ignore[no-untyped-def]
-        if record.type == "spare_ready" and record.node == 2:
-            known_pid = known.ranks[1]
-            import os
-
-            os.kill(known_pid, signal.SIGKILL)
-            gate.touch()
-            return True
-        return False
+    def kill_and_go(known: Processes, nodes: LoopbackNodes) -> None:
+        kill_rank(1)(known, nodes)
+        open_gate(gate)(known, nodes)
 
     job, codes = run_nodes(
         tmp_path,
         spares=0,
-        scenario=[add_node, kill_when_its_spares_are_ready],
+        scenario=[
+            when(committed(0, 4), lambda known, nodes: nodes.add_node()),
+            when(spare_of_node_2, kill_and_go),
+        ],
         script_args=["--hold-at", "10", "--hold-file", str(gate)],
     )
-    assert joined == [2] and codes[0] == 0 and codes[2] == 0
+    assert codes == {0: 0, 1: 0, 2: 0}
     assert_recovered(job, nodes_reference, failed={1})
     [assigned] = job.decisions("assign_spare")
     assert (assigned.rank, assigned.node) == (1, 2)
     [node] = [n for n in job.records(type="node_joined") if n.node == 2]
     assert (node.ranks, node.spares) == (0, 2)
-    assert STEPS > 10
