@@ -14,6 +14,7 @@ from types import ModuleType
 
 COMMANDS: dict[str, str] = {
     "run": "flashrecovery.agent.launcher",
+    "control-plane": "flashrecovery.agent.control_plane",
     "engine": "flashrecovery.engine.service",
     "demo": "flashrecovery.demo.cli",
     "chaos": "flashrecovery.chaos.cli",

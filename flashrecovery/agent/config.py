@@ -77,15 +77,22 @@ class AgentConfig:
     spare_nodes: int = 0  # whole nodes of hot spares, node ranks nnodes..nnodes+spare_nodes-1
     node_wait_s: float = 30.0  # a lost node's ranks wait this long for capacity
     store_secret: str | None = field(default=None, repr=False)  # FLASHRECOVERY_STORE_PREFIX
+    control_plane: bool = False  # store and engine in `flashrecovery control-plane` at the endpoint
 
     @property
     def multinode(self) -> bool:
         return self.rdzv_endpoint is not None
 
     @property
-    def hosts_store(self) -> bool:
-        """Node 0's agent hosts the store and (unless external) the engine."""
+    def starts_job(self) -> bool:
+        """Node 0's agent starts the job (JobStarted) and ends it (JobFinished)."""
         return self.node_rank == 0
+
+    @property
+    def hosts_store(self) -> bool:
+        """Node 0's agent hosts the store and (unless external) the engine, unless a control
+        plane of its own does."""
+        return self.starts_job and not self.control_plane
 
     def resolved(self) -> AgentConfig:
         """The config with defaults filled in and every argument checked (ConfigError)."""
@@ -116,10 +123,10 @@ class AgentConfig:
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port must be 0..65535, got {self.metrics_port}")
         self._check_nodes()
-        if not self.hosts_store:  # a node joining a job: the job and the log are node 0's
+        if not self.starts_job:  # a node joining a job: the job and the log are node 0's
             if self.log_url is None:
                 raise ConfigError("a node other than 0 needs --log: the log node 0 writes to")
-            _check_shared_log(self.log_url, self.rdzv_endpoint)
+            check_shared_log(self.log_url, self.rdzv_endpoint)
             return replace(self, script=self.script.resolve())
         job_id = self.job_id or f"job-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         if not _JOB_ID.match(job_id):
@@ -142,7 +149,7 @@ class AgentConfig:
             raise ConfigError("memory:// logs live in one process; the ranks need sqlite or kafka")
         if self.log_url is None:
             (Path.cwd() / "runs" / job_id).mkdir(parents=True, exist_ok=True)
-        _check_shared_log(log_url, self.rdzv_endpoint)
+        check_shared_log(log_url, self.rdzv_endpoint)
         _check_log(log_url, job_id)
         return replace(self, script=self.script.resolve(), job_id=job_id, log_url=log_url)
 
@@ -156,8 +163,10 @@ class AgentConfig:
                 f"--node-wait must be within 0..{MAX_NODE_WAIT_S:.0f}s, got {self.node_wait_s}"
             )
         if self.rdzv_endpoint is None:
-            if self.nnodes > 1 or self.spare_nodes or self.node_rank != 0:
-                raise ConfigError("--nnodes, --spare-nodes and --node-rank need --rdzv-endpoint")
+            if self.nnodes > 1 or self.spare_nodes or self.node_rank != 0 or self.control_plane:
+                raise ConfigError(
+                    "--nnodes, --spare-nodes, --node-rank and --control-plane need --rdzv-endpoint"
+                )
             return
         nodes = self.nnodes + self.spare_nodes
         if self.node_rank is not None and not 0 <= self.node_rank < nodes:
@@ -171,13 +180,13 @@ class AgentConfig:
                 "FLASHRECOVERY_STORE_PREFIX of at least 16 characters, e.g. "
                 "`export FLASHRECOVERY_STORE_PREFIX=$(openssl rand -hex 16)` (docs/multinode.md)"
             )
-        if self.metrics_port is not None and not self.hosts_store:
+        if self.metrics_port is not None and not self.starts_job:
             raise ConfigError("--metrics-port: node 0's agent serves the job's metrics")
-        if self.faults and not self.hosts_store:
+        if self.faults and not self.starts_job:
             raise ConfigError("--fault names global ranks: give it to node 0's agent only")
 
 
-def _check_shared_log(url: str, endpoint: Endpoint | None) -> None:
+def check_shared_log(url: str, endpoint: Endpoint | None) -> None:
     """Every node writes to the log: an embedded log is a file on one host, so it serves
     several agents on that host only (a loopback rendezvous), never a job across hosts."""
     if endpoint is None or endpoint.loopback or urlsplit(url).scheme != "sqlite":

@@ -138,7 +138,8 @@ class Agent:
                 if heartbeat is not None:
                     heartbeat.stop()
                 if config.hosts_store:
-                    self._wait_for_nodes(member, actions, outcome)
+                    wait_for_agents(member.store, len(actions.lost_nodes) + 1, outcome.status)
+                if config.starts_job:
                     self._finish_report(outcome)
                 if engine is not None:
                     engine.stop()
@@ -194,22 +195,6 @@ class Agent:
         )
         thread.start()
         return thread
-
-    def _wait_for_nodes(
-        self, member: rendezvous.Membership, actions: Actions, outcome: Outcome
-    ) -> None:
-        """Node 0 keeps the store up until every other live agent has seen the job complete
-        (bounded): they read the end from it."""
-        if outcome.status != "completed" or not self.config.multinode:
-            return
-        keys = member.store.keys
-        others = int(keys.add(rendezvous.AGENTS_KEY, 0)) - 1 - len(actions.lost_nodes)
-        deadline = time.monotonic() + NODES_DONE_WAIT_S
-        while int(keys.add(rendezvous.AGENTS_DONE_KEY, 0)) < others:
-            if time.monotonic() > deadline:
-                log.warning("nodes did not confirm the end of the job", expected=others)
-                return
-            time.sleep(FOLLOW_TIMEOUT_S)
 
     def _finish_report(self, outcome: Outcome) -> None:
         """Append JobFinished, sealing the log's hash chains, if the log can take it; the exit
@@ -271,10 +256,11 @@ class Agent:
             try:
                 # A single node holds every rank; across nodes, every member passed the last
                 # generation's `done` barrier (docs/protocol.md): training is over everywhere.
-                if supervisor.all_finished() and (
-                    not self.config.multinode
-                    or barrier.passed(keys, barrier.name(self._generation, "done"))
-                ):
+                # (Asked every time: it is also how an agent learns that the store is gone.)
+                done = not self.config.multinode or barrier.passed(
+                    keys, barrier.name(self._generation, "done")
+                )
+                if done and supervisor.all_finished():
                     if not self.config.hosts_store:
                         keys.add(rendezvous.AGENTS_DONE_KEY, 1)
                     return Outcome("completed", 0)
@@ -350,6 +336,21 @@ class Agent:
         """What the agent tells is part of the protocol (an exit, an activation): ride out a
         log outage rather than lose it."""
         append_through_outage(self._log, Stream.EVENTS, record, LOG_OUTAGE_S)
+
+
+def wait_for_agents(store: JobStore, gone: int, status: str) -> None:
+    """The store's host keeps it up until every agent but ``gone`` (lost, or itself) has seen
+    the job complete (bounded): they read the end from it."""
+    if status != "completed":
+        return
+    keys = store.keys
+    expected = int(keys.add(rendezvous.AGENTS_KEY, 0)) - gone
+    deadline = time.monotonic() + NODES_DONE_WAIT_S
+    while int(keys.add(rendezvous.AGENTS_DONE_KEY, 0)) < expected:
+        if time.monotonic() > deadline:
+            log.warning("agents did not confirm the end of the job", expected=expected)
+            return
+        time.sleep(FOLLOW_TIMEOUT_S)
 
 
 _Handler = signal.Handlers | int | None | object

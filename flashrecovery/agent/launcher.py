@@ -40,6 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "FLASHRECOVERY_STORE_PREFIX, the job's secret, in its environment: docs/multinode.md)",
     )
     parser.add_argument(
+        "--control-plane",
+        action="store_true",
+        help="the store and the engine run in `flashrecovery control-plane` at --rdzv-endpoint; "
+        "node 0's agent only starts the job",
+    )
+    parser.add_argument(
         "--spare-nodes",
         type=int,
         default=0,
@@ -209,13 +215,14 @@ def run(args: argparse.Namespace) -> int:
                 rdzv_endpoint=args.rdzv_endpoint,
                 spare_nodes=args.spare_nodes,
                 node_wait_s=args.node_wait,
+                control_plane=args.control_plane,
                 store_secret=os.environ.get("FLASHRECOVERY_STORE_PREFIX"),
             )
         )
     except ConfigError as exc:
         print(f"flashrecovery run: error: {exc}", file=sys.stderr)
         return 2
-    if agent.config.hosts_store:
+    if agent.config.starts_job:
         print(f"flashrecovery: job {agent.job_id}, log {agent.log_url}", file=sys.stderr)
     else:
         where = agent.config.rdzv_endpoint

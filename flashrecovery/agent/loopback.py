@@ -44,7 +44,9 @@ class LoopbackNodes:
     spare_nodes: int = 0
     agent_args: list[str] = field(default_factory=list)  # more `run` options, for every agent
     output_dir: Path | None = None  # each agent's output in node{K}.log, its children's beside
+    control_plane: bool = False  # the store and engine in a process of their own
     agents: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
+    control: subprocess.Popen[bytes] | None = None  # the control plane's process
     port: int = field(default_factory=free_port)
     _secret: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
 
@@ -53,6 +55,9 @@ class LoopbackNodes:
         return f"{LOOPBACK}:{self.port}"
 
     def start(self) -> LoopbackNodes:
+        if self.control_plane:
+            command = ["control-plane", "--log", self.log_url, "--bind", self.endpoint]
+            self.control = self._popen([*command, "--job-id", self.job_id], "control-plane")
         for node in range(self.nnodes + self.spare_nodes):
             self._launch(str(node), node)
         return self
@@ -66,30 +71,37 @@ class LoopbackNodes:
 
     def _launch(self, node_rank: str, node: int) -> None:
         command = [
-            *(sys.executable, "-m", "flashrecovery.cli", "run"),
-            *("--nnodes", str(self.nnodes), "--node-rank", node_rank),
+            *("run", "--nnodes", str(self.nnodes), "--node-rank", node_rank),
             *("--rdzv-endpoint", self.endpoint, "--nproc-per-node", str(self.nproc)),
             *("--spares", str(self.spares), "--spare-nodes", str(self.spare_nodes)),
             *("--log", self.log_url),
         ]
         if node == 0:
             command += ["--job-id", self.job_id]
+        if self.control_plane:
+            command += ["--control-plane"]
+        if self.output_dir is not None:
+            command += ["--output-dir", str(self.output_dir / f"node{node}")]
+        command += [*self.agent_args, str(self.script), *self.script_args]
+        self.agents[node] = self._popen(command, f"node{node}")
+
+    def _popen(self, command: list[str], name: str) -> subprocess.Popen[bytes]:
+        """A `flashrecovery` command in a process group of its own, its output in
+        ``output_dir/name.log``."""
         output = None
         if self.output_dir is not None:
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            command += ["--output-dir", str(self.output_dir / f"node{node}")]
-            output = open(self.output_dir / f"node{node}.log", "wb")  # noqa: SIM115
-        command += [*self.agent_args, str(self.script), *self.script_args]
+            output = open(self.output_dir / f"{name}.log", "wb")  # noqa: SIM115
         package_root = str(Path(flashrecovery.__file__).resolve().parent.parent)
         python_path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
         env = {**os.environ, "PYTHONPATH": python_path, "FLASHRECOVERY_STORE_PREFIX": self._secret}
         try:
-            self.agents[node] = subprocess.Popen(
-                command,
+            return subprocess.Popen(
+                [sys.executable, "-m", "flashrecovery.cli", *command],
                 env=env,
                 stdout=output,
                 stderr=subprocess.STDOUT if output else None,
-                start_new_session=True,  # the node is the agent's process group
+                start_new_session=True,  # a node is its agent's process group
             )
         finally:
             if output is not None:
@@ -109,16 +121,19 @@ class LoopbackNodes:
             return None
 
     def teardown(self) -> None:
-        """End every agent still running (a stopped one is resumed first, so it can tear its
-        processes down)."""
-        for node in self.agents:
-            if self.agents[node].poll() is None:
-                self.signal_node(node, signal.SIGCONT)
-                with contextlib.suppress(ProcessLookupError):
-                    self.agents[node].send_signal(signal.SIGTERM)
-        for node, agent in self.agents.items():
-            try:
-                agent.wait(TEARDOWN_S)
-            except subprocess.TimeoutExpired:
-                self.signal_node(node, signal.SIGKILL)
-                agent.wait(TEARDOWN_S)
+        """End every agent still running, then the control plane (a stopped process is
+        resumed first, so it can tear its own down)."""
+        processes = list(self.agents.values())
+        for group in (processes, [self.control] if self.control else []):
+            for process in group:
+                if process.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(process.pid, signal.SIGCONT)
+                        process.send_signal(signal.SIGTERM)
+            for process in group:
+                try:
+                    process.wait(TEARDOWN_S)
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(process.pid, signal.SIGKILL)
+                    process.wait(TEARDOWN_S)

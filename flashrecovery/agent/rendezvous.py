@@ -57,7 +57,7 @@ def join(config: AgentConfig, start_job: Callable[[], None]) -> Membership:
     else:
         assert config.store_secret is not None
         store = JobStore.connect(endpoint.host, endpoint.port, config.store_secret, JOIN_TIMEOUT)
-    if config.hosts_store:
+    if config.starts_job:
         assert config.job_id is not None
         start_job()
         store.keys.set(JOB_KEY, config.job_id)

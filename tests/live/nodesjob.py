@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,7 @@ from flashrecovery.connectors import open_log
 from flashrecovery.records import Envelope, StepCompleted, Stream
 
 NODES_TIMEOUT_S = 150.0
+CONTROL = -1  # the control plane's exit code in run_nodes' codes
 
 # A step of a scenario: called with each new event, the processes known so far and the nodes;
 # returns True once it has done its part.
@@ -34,11 +36,12 @@ def run_nodes(
     nproc: int = 2,
     spares: int = 1,
     spare_nodes: int = 0,
+    control_plane: bool = False,
     scenario: list[NodeScenario] | None = None,
     script_args: list[str] | None = None,
 ) -> tuple[JobResult, dict[int, int | None]]:
     """Run the training script on ``nnodes`` x ``nproc`` ranks; returns the job and each
-    agent's exit code (None: it had to be ended)."""
+    agent's exit code (None: it had to be ended), and the control plane's under CONTROL."""
     out = tmp_path / "out"
     out.mkdir()
     args = ["--steps", str(STEPS), "--out", str(out), "--step-time", str(STEP_TIME_S)]
@@ -52,6 +55,7 @@ def run_nodes(
         nproc=nproc,
         spares=spares,
         spare_nodes=spare_nodes,
+        control_plane=control_plane,
         agent_args=["--heartbeat-interval", str(HEARTBEAT_S)],
         output_dir=tmp_path / "output",
     ).start()
@@ -74,11 +78,19 @@ def run_nodes(
                 if steps and steps[0](record, known, nodes):
                     steps.pop(0)
         codes = {node: nodes.wait(node, 10.0) for node in nodes.agents}
+        if nodes.control is not None:
+            try:
+                codes[CONTROL] = nodes.control.wait(15.0)
+            except subprocess.TimeoutExpired:
+                codes[CONTROL] = None
     finally:
         nodes.teardown()
     code = codes.get(0)
     job = JobResult(-1 if code is None else code, log, nodes.job_id, out)
-    left = [pid for pid in {*job.pids(), *(a.pid for a in nodes.agents.values())} if _alive(pid)]
+    ours = {*job.pids(), *(a.pid for a in nodes.agents.values())}
+    if nodes.control is not None:
+        ours.add(nodes.control.pid)
+    left = [pid for pid in ours if _alive(pid)]
     assert not left, f"processes of the job still running: {left}"
     return job, codes
 

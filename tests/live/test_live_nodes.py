@@ -4,13 +4,14 @@ equal to a fault-free run, keeps the healthy ranks' processes, replays, and leav
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
 import pytest
 import torch
 from livejob import JobResult, Processes
-from nodesjob import committed, kill_rank, of_type, open_gate, run_nodes, signal_node, when
+from nodesjob import CONTROL, committed, kill_rank, of_type, open_gate, run_nodes, signal_node, when
 
 from flashrecovery.agent.loopback import LoopbackNodes
 from flashrecovery.engine.replay import replay_job
@@ -130,3 +131,33 @@ def test_a_node_joining_later_brings_the_spare_that_takes_over(
     assert (assigned.rank, assigned.node) == (1, 2)
     [node] = [n for n in job.records(type="node_joined") if n.node == 2]
     assert (node.ranks, node.spares) == (0, 2)
+
+
+def test_the_control_plane_on_its_own_process(
+    tmp_path: Path, nodes_reference: torch.Tensor
+) -> None:
+    """Store and engine in `flashrecovery control-plane`; node 0's agent only starts the job."""
+    job, codes = run_nodes(
+        tmp_path, control_plane=True, scenario=[when(committed(1, 8), kill_rank(1))]
+    )
+    assert codes == {0: 0, 1: 0, CONTROL: 0}
+    assert_recovered(job, nodes_reference, failed={1})
+
+
+def test_losing_the_control_plane_ends_the_job_in_one_line(tmp_path: Path) -> None:
+    def kill_control_plane(known: Processes, nodes: LoopbackNodes) -> None:
+        assert nodes.control is not None
+        os.killpg(nodes.control.pid, signal.SIGKILL)
+
+    job, codes = run_nodes(
+        tmp_path,
+        control_plane=True,
+        scenario=[when(committed(0, 8), kill_control_plane)],
+        script_args=["--hold-at", "9", "--hold-file", str(tmp_path / "never")],
+    )
+    assert codes[0] == 1 and codes[1] == 1 and codes[CONTROL] == -signal.SIGKILL
+    for node in (0, 1):
+        said = (tmp_path / "output" / f"node{node}.log").read_text()
+        assert "store at 127.0.0.1:" in said and "is unreachable, its host is lost" in said
+    [finished] = job.records(type="job_finished")
+    assert finished.status == "failed" and "unreachable" in finished.detail

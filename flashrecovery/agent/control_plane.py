@@ -1,0 +1,73 @@
+"""Host a multi-node job's store and engine on a process of their own.
+
+`flashrecovery control-plane --log URL --bind HOST:PORT [--job-id ID]` listens where the agents'
+``--rdzv-endpoint`` points (they run with ``--control-plane``), waits for node 0's agent to start
+the job, decides for it until it ends, then keeps the store up until the agents have seen the
+end. It needs the job's secret (FLASHRECOVERY_STORE_PREFIX) like every agent. If this process is
+lost, the agents say so in one line and end the job (docs/multinode.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import signal
+import sys
+
+from flashrecovery.agent import rendezvous
+from flashrecovery.agent.config import MIN_SECRET, Endpoint, check_shared_log
+from flashrecovery.agent.job import wait_for_agents
+from flashrecovery.agent.store import JobStore
+from flashrecovery.engine.loop import EngineLoop
+from flashrecovery.errors import ConfigError, LogError
+
+JOB_WAIT = datetime.timedelta(hours=24)  # how long it waits for node 0 to start the job
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log", required=True, metavar="URL", help="the job's log URL")
+    parser.add_argument(
+        "--bind", required=True, metavar="HOST:PORT", help="where the agents' --rdzv-endpoint is"
+    )
+    parser.add_argument(
+        "--job-id", default=None, metavar="ID", help="refuse a job of another id (default: any)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    secret = os.environ.get("FLASHRECOVERY_STORE_PREFIX", "")
+    try:
+        endpoint = Endpoint.parse(args.bind)
+        check_shared_log(args.log, endpoint)
+        if len(secret) < MIN_SECRET:
+            raise ConfigError(
+                f"FLASHRECOVERY_STORE_PREFIX (at least {MIN_SECRET} characters, the same for "
+                "every agent) must be set"
+            )
+        store = JobStore.open(JOB_WAIT, endpoint.host, endpoint.port, secret)
+    except ConfigError as exc:
+        print(f"flashrecovery control-plane: error: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"flashrecovery: control plane on {endpoint}, log {args.log}", file=sys.stderr, flush=True
+    )
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        job_id = store.keys.get(rendezvous.JOB_KEY).decode()  # node 0's agent started it
+        if args.job_id is not None and args.job_id != job_id:
+            print(f"flashrecovery control-plane: error: job {job_id!r} is not {args.job_id!r}")
+            return 2
+        engine = EngineLoop(args.log, job_id)
+        try:
+            engine.run()
+        finally:
+            engine.stop()
+    except (KeyboardInterrupt, LogError) as exc:
+        print(f"flashrecovery control-plane: stopped: {exc!r}", file=sys.stderr)
+        return 1
+    status = str(engine.state.job.state)
+    lost = sum(node.lost for node in engine.state.nodes.values())
+    wait_for_agents(store, lost, status)
+    print(f"flashrecovery: job {job_id} {status}", file=sys.stderr)
+    return 0 if status == "completed" else 1
