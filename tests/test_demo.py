@@ -76,6 +76,40 @@ def test_demo_kill_recovers_bitwise_equal(tmp_path: Path, parallel: str, nproc: 
     assert done.returncode == 0
 
 
+def test_demo_node_kill_recovers_bitwise_equal(tmp_path: Path) -> None:
+    """`--nodes 2 --kill-node 1@3`: 2 loopback nodes x 2 ranks and a spare node; node 1's agent
+    and ranks are SIGKILLed, the spare node's two spares take its ranks together."""
+    command = [
+        sys.executable,
+        "-m",
+        "flashrecovery.cli",
+        "demo",
+        "--nodes", "2",
+        "--nproc", "4",
+        "--steps", "16",
+        "--kill-node", "1@3",
+        "--verify",
+        "--json",
+        "--run-dir", str(tmp_path / "run"),
+        "--min-step-s", "0.1",
+        "--timeout", "150",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=400, cwd=tmp_path, env=env
+    )
+    assert done.stdout.strip(), f"no summary; stderr:\n{done.stderr[-3000:]}"
+    summary = json.loads(done.stdout)
+    context = json.dumps(summary, indent=1)[:4000]
+    assert summary["ok"] is True, context
+    assert summary["verify"]["bitwise_equal"] is True, context
+    [incident] = summary["incidents"]
+    assert incident["failed"] == "node 1 (ranks 2, 3)", context
+    assert incident["replacement"] == "hot spare 0 (node 2), hot spare 1 (node 2)", context
+    assert [(k["node"], k["outcome"]) for k in summary["kills"]] == [(1, "killed")], context
+    assert done.returncode == 0
+
+
 def test_batches_and_model_are_the_same_in_every_process() -> None:
     x1, y1 = batch_for(5, 1, 4)
     x2, y2 = batch_for(5, 1, 4)
@@ -90,6 +124,8 @@ def test_batches_and_model_are_the_same_in_every_process() -> None:
 def test_kill_spec_rejected_with_reason(spec: str) -> None:
     with pytest.raises(ValueError, match="RANK@STEP"):
         Kill.parse(spec)
+    with pytest.raises(ValueError, match="NODE@STEP"):
+        Kill.parse_node(spec)
 
 
 def test_loss_curve_flags_gaps_and_duplicates() -> None:

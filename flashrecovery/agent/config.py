@@ -18,6 +18,7 @@ from flashrecovery.trainer_hooks.faults import Fault, FaultPlan
 
 SPARE_REFILL = ("immediate", "after-recovery")
 _JOB_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
+LOOPBACK = "127.0.0.1"
 MAX_NODE_WAIT_S = 50.0  # below the members' wait at the regroup barrier (groups.COLLECTIVE_TIMEOUT)
 MIN_SECRET = 16  # characters of FLASHRECOVERY_STORE_PREFIX a multi-node job needs
 

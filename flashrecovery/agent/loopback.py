@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import flashrecovery
-from flashrecovery.agent.store import LOOPBACK
+from flashrecovery.agent.config import LOOPBACK
 
 TEARDOWN_S = 10.0  # an agent's own teardown takes a few seconds (agent/supervisor.py)
 

@@ -24,11 +24,10 @@ from dataclasses import dataclass, field
 import psutil
 import torch.distributed as dist
 
-from flashrecovery.agent.config import is_loopback
+from flashrecovery.agent.config import LOOPBACK, is_loopback
 from flashrecovery.errors import ConfigError
 from flashrecovery.trainer_hooks.groups import job_keys
 
-LOOPBACK = "127.0.0.1"
 BACKLOG = 128  # pending connections: every rank and spare connects two clients at start
 
 

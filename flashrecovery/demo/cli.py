@@ -1,7 +1,9 @@
 """Showcase: train a tiny GPT on ranks + a hot spare, SIGKILL a rank mid-run, recover losslessly.
 
 `flashrecovery demo [--nproc 4] [--spares 1] [--steps 40] [--kill RANK@STEP …] [--seed 0]
-[--log URL] [--run-dir DIR] [--verify] [--json]` launches the job under `flashrecovery run`,
+[--log URL] [--run-dir DIR] [--verify] [--json]` launches the job under `flashrecovery run`
+(with ``--nodes N [--kill-node K@STEP]``: N loopback nodes of one agent each plus a spare node,
+and a whole node SIGKILLed),
 follows its log live, kills the chosen rank's process from outside when it reaches the step, and
 then tells what the recovery cost and proves: detection time, RTO and its phases, steps lost and
 recomputed, survivors' PIDs, loss-curve continuity, the replay verdict and, with ``--verify``,
@@ -34,7 +36,26 @@ from flashrecovery.errors import LogError
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=int, default=4, help="ranks (default 4)")
-    parser.add_argument("--spares", type=int, default=1, help="hot spares (default 1)")
+    parser.add_argument(
+        "--spares",
+        type=int,
+        default=None,
+        help="hot spares (default 1; with --nodes: per node, default 0)",
+    )
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="loopback nodes, an agent each, sharing --nproc ranks, plus a spare node of "
+        "--nproc/--nodes hot spares (default 1: one agent, no spare node)",
+    )
+    parser.add_argument(
+        "--kill-node",
+        action="append",
+        default=[],
+        metavar="NODE@STEP",
+        help="SIGKILL a whole node (its agent's process group) while it works on STEP",
+    )
     parser.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
     parser.add_argument(
         "--kill",
@@ -81,18 +102,27 @@ def kill_plan(args: argparse.Namespace) -> list[Kill]:
             f"--parallel hsdp shards the model {HSDP_SHARDS} ways with at least 2 replicas: "
             f"--nproc must be a multiple of {HSDP_SHARDS}, at least {2 * HSDP_SHARDS}"
         )
-    if not args.kill:
+    if args.nodes < 1 or args.nproc % args.nodes:
+        raise ValueError(f"--nodes {args.nodes}: --nproc {args.nproc} must split evenly")
+    if not args.kill and not args.kill_node:
         rng = random.Random(args.seed)
         step = rng.randint(max(1, args.steps // 4), max(1, 3 * args.steps // 4))
         return [Kill(rng.randrange(args.nproc), step)]
     plan = [Kill.parse(spec) for spec in args.kill]
     for kill in plan:
-        if not (0 <= kill.rank < args.nproc and 0 <= kill.step < args.steps):
+        if not (kill.rank is not None and 0 <= kill.rank < args.nproc and kill.step < args.steps):
             raise ValueError(
                 f"--kill {kill.rank}@{kill.step}: rank must be < {args.nproc} "
                 f"and step < {args.steps}"
             )
-    return plan
+    nodes = [Kill.parse_node(spec) for spec in args.kill_node]
+    for kill in nodes:
+        if not (kill.node is not None and 0 < kill.node < args.nodes and kill.step < args.steps):
+            raise ValueError(
+                f"--kill-node {kill.node}@{kill.step}: node must be 1..{args.nodes - 1} (node 0 "
+                f"hosts the store and the engine) and step < {args.steps}"
+            )
+    return [*plan, *nodes]
 
 
 def render(spec: JobSpec, watch: JobWatch, killer: Killer, title: str) -> RenderableType:
@@ -148,6 +178,8 @@ def execute(
 
 def run(args: argparse.Namespace) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    if args.spares is None:
+        args.spares = 1 if args.nodes == 1 else 0
     try:
         kills = kill_plan(args)
     except ValueError as exc:
@@ -165,6 +197,8 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         min_step_s=args.min_step_s,
         parallel=args.parallel,
+        nodes=args.nodes,
+        spare_nodes=0 if args.nodes == 1 else 1,
     )
     reference = (
         JobSpec(
@@ -176,15 +210,22 @@ def run(args: argparse.Namespace) -> int:
             steps=args.steps,
             seed=args.seed,
             parallel=args.parallel,
+            nodes=args.nodes,
         )
         if args.verify
         else None
     )
     console = Console(stderr=args.json)  # with --json: progress on stderr, the JSON on stdout
-    plan = ", ".join(f"rank {k.rank} at step {k.step}" for k in kills)
+    plan = ", ".join(f"{k.target} at step {k.step}" for k in kills)
+    shape = f"{spec.nproc} ranks + {spec.spares} hot spare(s)"
+    if spec.nodes > 1:
+        shape = (
+            f"{spec.nodes} nodes x {spec.nproc // spec.nodes} ranks + {spec.spares} hot "
+            f"spare(s) each, and a spare node of {spec.nproc // spec.nodes}"
+        )
     console.print(
-        f"[bold]flashrecovery demo[/]: {spec.nproc} ranks + {spec.spares} hot spare(s), "
-        f"{spec.steps} steps, seed {spec.seed}; SIGKILL {plan}\nrun dir {run_dir}"
+        f"[bold]flashrecovery demo[/]: {shape}, {spec.steps} steps, seed {spec.seed}; "
+        f"SIGKILL {plan}\nrun dir {run_dir}"
     )
     try:
         returncode = execute(spec, kills, console, "training", args.timeout)
@@ -213,7 +254,7 @@ def _ms(seconds: float | None) -> str:
 def incident_table(row: dict[str, Any]) -> Table:
     """One incident, one line per phase: narrow enough for any terminal."""
     table = Table(
-        title=Text(f"{row['incident_id']}: rank {row['failed_rank']}, {row['reason']}"),
+        title=Text(f"{row['incident_id']}: {row['failed']}, {row['reason']}"),
         title_justify="left",
         show_header=False,
     )
@@ -239,8 +280,13 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
         f"completed {_yes(summary['completed'])}"
     )
     for kill in summary["kills"]:
+        target = (
+            f"rank {kill['rank']} (pid"
+            if kill["node"] is None
+            else f"node {kill['node']} (agent pid"
+        )
         console.print(
-            f"SIGKILL rank {kill['rank']} (pid {kill['pid']}) planned at step {kill['step']}, "
+            f"SIGKILL {target} {kill['pid']}) planned at step {kill['step']}, "
             f"sent after it committed step {kill['committed']}: {kill['outcome']}"
         )
     for row in summary["incidents"]:

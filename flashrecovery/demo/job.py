@@ -2,7 +2,8 @@
 
 The demo and the benchmarks drive the agent through its command line, exactly as a user would,
 in a session of its own so the whole process tree can be found (psutil) and ended by pid when
-the run is over or the caller gives up. Nothing outside that tree is ever signalled.
+the run is over or the caller gives up. Nothing outside that tree is ever signalled. A job of
+several nodes runs one agent per loopback "node" (agent/loopback.py), each its own tree.
 """
 
 from __future__ import annotations
@@ -15,8 +16,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import psutil
+
+if TYPE_CHECKING:  # the agent package imports torch: only a job of several nodes needs it
+    from flashrecovery.agent.loopback import LoopbackNodes
 
 TRAIN_SCRIPT = Path(__file__).resolve().with_name("train.py")  # by path: no torch import here
 STOP_GRACE_S = 5.0
@@ -38,6 +43,8 @@ class JobSpec:
     parallel: str = "hook"  # who reduces the gradients: the hook, or torch DDP (train.py)
     script: Path | None = None  # a user's script instead of the demo's model
     script_args: tuple[str, ...] = ()
+    nodes: int = 1  # loopback nodes, nproc / nodes ranks each (spares: per node)
+    spare_nodes: int = 0
 
     def command(self) -> list[str]:
         return [
@@ -53,10 +60,14 @@ class JobSpec:
             self.log_url,
             "--job-id",
             self.job_id,
-            *(("--shards", str(HSDP_SHARDS)) if self.parallel == "hsdp" else ()),
-            *self.agent_args,
+            *self.run_options(),
             *self.script_command(),
         ]
+
+    def run_options(self) -> list[str]:
+        """The `flashrecovery run` options every agent of the job gets."""
+        shards = ["--shards", str(HSDP_SHARDS)] if self.parallel == "hsdp" else []
+        return [*shards, *self.agent_args]
 
     def script_command(self) -> list[str]:
         if self.script is not None:
@@ -77,7 +88,25 @@ class JobSpec:
 
     @property
     def agent_output(self) -> Path:
-        return self.run_dir / "agent.out"
+        """Node 0's agent's output."""
+        return self.run_dir / ("agent.out" if self.nodes == 1 else "agents/node0.log")
+
+    def loopback_nodes(self) -> LoopbackNodes:
+        from flashrecovery.agent.loopback import LoopbackNodes
+
+        script, *script_args = self.script_command()
+        return LoopbackNodes(
+            script=Path(script),
+            script_args=script_args,
+            log_url=self.log_url,
+            job_id=self.job_id,
+            nnodes=self.nodes,
+            nproc=self.nproc // self.nodes,
+            spares=self.spares,
+            spare_nodes=self.spare_nodes,
+            agent_args=self.run_options(),
+            output_dir=self.agent_output.parent,
+        )
 
 
 class LaunchedJob:
@@ -86,19 +115,35 @@ class LaunchedJob:
     def __init__(self, spec: JobSpec) -> None:
         self.spec = spec
         spec.run_dir.mkdir(parents=True, exist_ok=True)
-        with spec.agent_output.open("wb") as out:
-            self._proc = subprocess.Popen(
-                spec.command(),
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        self._nodes: LoopbackNodes | None = None
+        if spec.nodes > 1:
+            self._nodes = spec.loopback_nodes().start()
+            self._agents = list(self._nodes.agents.values())
+        else:
+            with spec.agent_output.open("wb") as out:
+                self._agents = [
+                    subprocess.Popen(
+                        spec.command(),
+                        stdin=subprocess.DEVNULL,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                ]
+        self._proc = self._agents[0]  # node 0's: its exit is the job's
         self.started = time.time()
 
     @property
     def pid(self) -> int:
         return self._proc.pid
+
+    def kill_node(self, node: int) -> float | None:
+        """SIGKILL a node's agent and its process group (its ranks then exit on their own,
+        as on a machine that is lost); the unix time it was sent, or None if no such node."""
+        if self._nodes is None or node not in self._nodes.agents:
+            return None
+        self._nodes.signal_node(node, signal.SIGKILL)
+        return time.time()
 
     def poll(self) -> int | None:
         return self._proc.poll()
@@ -110,11 +155,11 @@ class LaunchedJob:
         return self._proc.poll()
 
     def descendants(self) -> dict[int, psutil.Process]:
-        try:
-            children = psutil.Process(self.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            return {}
-        return {p.pid: p for p in children}
+        found: dict[int, psutil.Process] = {}
+        for agent in self._agents:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                found.update((p.pid, p) for p in psutil.Process(agent.pid).children(recursive=True))
+        return found
 
     def kill_descendant(self, pid: int, sig: signal.Signals = signal.SIGKILL) -> float | None:
         """Send ``sig`` (SIGKILL unless told) to one process of this job; the unix time it was
@@ -136,16 +181,20 @@ class LaunchedJob:
         return "\n".join(text.splitlines()[-lines:])
 
     def stop(self) -> int | None:
-        """End the agent (SIGTERM, SIGKILL after a grace) and then whatever it left behind."""
+        """End the agents (SIGTERM, SIGKILL after a grace) and then whatever they left behind."""
         tree = self.descendants()
-        if self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGTERM)
+        for agent in self._agents:
+            if agent.poll() is None:
+                agent.send_signal(signal.SIGCONT)  # a stopped node, if a test stopped one
+                agent.send_signal(signal.SIGTERM)
+        for agent in self._agents:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                self._proc.wait(STOP_GRACE_S)
-        if self._proc.poll() is None:
-            tree.update(self.descendants())
-            self._proc.kill()
-            self._proc.wait(STOP_GRACE_S)
+                agent.wait(STOP_GRACE_S)
+        tree.update(self.descendants())
+        for agent in self._agents:
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait(STOP_GRACE_S)
         left = [p for p in tree.values() if p.is_running()]
         for process in left:
             with contextlib.suppress(psutil.NoSuchProcess):

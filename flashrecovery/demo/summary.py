@@ -105,24 +105,25 @@ def process_history(
     return joined, holder, unplanned
 
 
-def _replacements(log: LogConnector, job_id: str) -> dict[str, str]:
-    """incident id -> how its rank was replaced."""
-    out: dict[str, str] = {}
+def _replacements(log: LogConnector, job_id: str, nodes: int) -> dict[str, str]:
+    """incident id -> how its rank(s) were replaced."""
+    out: dict[str, list[str]] = {}
     for entry in log.read(Stream.DECISIONS, job_id):
         record = entry.record
         if isinstance(record, AssignSpare) and record.incident_id:
-            out[record.incident_id] = f"hot spare {record.spare_id}"
+            how = f"hot spare {record.spare_id}" + (f" (node {record.node})" if nodes > 1 else "")
+            out.setdefault(record.incident_id, []).append(how)
         elif isinstance(record, SpawnReplacement) and record.incident_id:
-            out[record.incident_id] = "fresh process"
-    return out
+            out.setdefault(record.incident_id, []).append("fresh process")
+    return {incident: ", ".join(ways) for incident, ways in out.items()}
 
 
-def incidents(log: LogConnector, job_id: str, kills: list[Kill]) -> dict[str, Any]:
+def incidents(log: LogConnector, job_id: str, kills: list[Kill], nodes: int = 1) -> dict[str, Any]:
     """Each incident with its timings, matched in order to the kill that caused it, and the
     replay verdict."""
     report = replay_job(log, job_id)
     closures = {d.incident_id: d for d in report.recorded_closures if isinstance(d, IncidentClosed)}
-    replaced = _replacements(log, job_id)
+    replaced = _replacements(log, job_id, nodes)
     unmatched = [k for k in kills if k.outcome == "killed"]
     rows = []
     for incident, row in zip(report.state.incidents, report.incidents(), strict=True):
@@ -130,10 +131,15 @@ def incidents(log: LogConnector, job_id: str, kills: list[Kill]) -> dict[str, An
             (
                 k
                 for k in unmatched
-                if k.rank == incident.failed_rank and (k.ts or 0.0) <= incident.detected.ts
+                if (
+                    k.rank == incident.failed_rank
+                    if k.node is None
+                    else k.node == incident.failed_node
+                )
+                and (k.ts or 0.0) <= incident.detected.ts
             ),
             None,
-        )  # the first kill of that rank sent before the incident was detected
+        )  # the first kill of that rank (or node) sent before the incident was detected
         if kill is not None:
             unmatched.remove(kill)
         close = closures.get(incident.incident_id)
@@ -142,6 +148,7 @@ def incidents(log: LogConnector, job_id: str, kills: list[Kill]) -> dict[str, An
             {
                 "incident_id": incident.incident_id,
                 "failed_rank": incident.failed_rank,
+                "failed": _failed(incident.failed_ranks, incident.failed_node),
                 "reason": incident.reason,
                 "state": row["state"],
                 "replacement": replaced.get(incident.incident_id),
@@ -165,6 +172,11 @@ def incidents(log: LogConnector, job_id: str, kills: list[Kill]) -> dict[str, An
     }
 
 
+def _failed(ranks: list[int], node: int | None) -> str:
+    what = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+    return what if node is None else f"node {node} ({what})"
+
+
 def _since(start: float | None, end: float | None) -> float | None:
     return None if start is None or end is None else round(end - start, 6)
 
@@ -177,7 +189,7 @@ def summarize(
     reference: JobSpec | None = None,
 ) -> dict[str, Any]:
     """The demo's verdict as plain JSON; ``ok`` is true only when every check holds."""
-    found = incidents(log, spec.job_id, kills)
+    found = incidents(log, spec.job_id, kills, spec.nodes)
     results = read_results(spec.run_dir, spec.nproc)
     joined, holder, unplanned = process_history(log, spec.job_id)
     for rank, result in results.items():
@@ -194,6 +206,7 @@ def summarize(
         "log": spec.log_url,
         "run_dir": str(spec.run_dir),
         "world_size": spec.nproc,
+        "nodes": spec.nodes,
         "spares": spec.spares,
         "steps": spec.steps,
         "seed": spec.seed,

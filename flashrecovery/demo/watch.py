@@ -64,6 +64,10 @@ class JobWatch:
         view = self.state.ranks.get(rank)
         return None if view is None else view.pid
 
+    def agent_pid(self, node: int) -> int | None:
+        view = self.state.nodes.get(node)
+        return None if view is None else view.pid
+
     @property
     def running(self) -> bool:
         """Training in the current generation, with no recovery under way."""
@@ -83,12 +87,14 @@ class JobWatch:
 @dataclass
 class Kill:
     """Kill ``rank`` once it works on ``step`` (it has committed step - 1); ``sig`` may be
-    another signal (SIGSTOP: a hung process)."""
+    another signal (SIGSTOP: a hung process). With ``node``, the whole node (its agent's
+    process group, SIGKILL) once every rank works on ``step``."""
 
-    rank: int
+    rank: int | None
     step: int
     sig: signal.Signals = signal.SIGKILL
-    pid: int | None = None
+    node: int | None = None
+    pid: int | None = None  # the rank's process, or the node's agent
     committed: int | None = None  # the rank's committed step when the signal went out
     ts: float | None = None  # unix time of the SIGKILL
     outcome: str = "pending"  # pending | killed | missed
@@ -100,13 +106,25 @@ class Kill:
             raise ValueError(f"--kill {spec!r}: expected RANK@STEP, e.g. 1@3")
         return cls(int(rank), int(step))
 
+    @classmethod
+    def parse_node(cls, spec: str) -> Kill:
+        node, sep, step = spec.partition("@")
+        if not sep or not node.isdigit() or not step.isdigit():
+            raise ValueError(f"--kill-node {spec!r}: expected NODE@STEP, e.g. 1@3")
+        return cls(None, int(step), node=int(node))
+
+    @property
+    def target(self) -> str:
+        return f"rank {self.rank}" if self.node is None else f"node {self.node}"
+
     def describe(self) -> str:
         if self.outcome == "pending":
-            return f"rank {self.rank} at step {self.step} (pending)"
+            return f"{self.target} at step {self.step} (pending)"
         if self.outcome == "missed":
-            return f"rank {self.rank} at step {self.step}: missed (finished or already gone)"
+            return f"{self.target} at step {self.step}: missed (finished or already gone)"
         working_on = self.step if self.committed is None else self.committed + 1
-        return f"rank {self.rank} (pid {self.pid}) during step {working_on}"
+        process = "pid" if self.node is None else "agent pid"
+        return f"{self.target} ({process} {self.pid}) during step {working_on}"
 
 
 @dataclass
@@ -131,7 +149,7 @@ class Killer:
         if not self.pending or not watch.running:
             return None
         kill = self.pending[0]
-        committed = watch.committed(kill.rank)
+        committed = watch.committed(kill.rank)  # a node kill: every rank's
         if committed < kill.step - 1:
             return None
         if committed >= self.job.spec.steps - 1:  # done training: a kill would test shutdown
@@ -139,12 +157,20 @@ class Killer:
             return kill
         now = time.monotonic()
         self.due_since = self.due_since or now
-        spare_due = self.job.spec.spares > 0 and now - self.due_since < self.spare_wait_s
-        if spare_due and watch.ready_spares == 0:
+        spec = self.job.spec
+        needed = 1 if kill.node is None else spec.nproc // spec.nodes  # a node's ranks
+        pooled = spec.spares > 0 or spec.spare_nodes > 0
+        spare_due = pooled and now - self.due_since < self.spare_wait_s
+        if spare_due and watch.ready_spares < needed:
             return None
         self.due_since = None
-        kill.pid, kill.committed = watch.pid_of(kill.rank), committed
-        kill.ts = None if kill.pid is None else self.job.kill_descendant(kill.pid, kill.sig)
+        kill.committed = committed
+        if kill.node is not None:
+            kill.pid = watch.agent_pid(kill.node)
+            kill.ts = self.job.kill_node(kill.node)
+        else:
+            kill.pid = watch.pid_of(kill.rank) if kill.rank is not None else None
+            kill.ts = None if kill.pid is None else self.job.kill_descendant(kill.pid, kill.sig)
         kill.outcome = "missed" if kill.ts is None else "killed"
         return kill
 
