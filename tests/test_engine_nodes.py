@@ -1,0 +1,147 @@
+"""Nodes in the pure engine (no processes): a lost node is one incident for all its ranks,
+replaced together by spares of other nodes; with no capacity its ranks wait for a node, then
+the job fails; the detectors report a silent node once, and not its ranks one by one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from factories import JOB, T0, feed
+
+from flashrecovery.engine import detectors
+from flashrecovery.engine.state import EngineState
+from flashrecovery.records import (
+    Decision,
+    Envelope,
+    Heartbeat,
+    JobStarted,
+    NodeHeartbeat,
+    NodeJoined,
+    NodeMissed,
+    NodeWaitExpired,
+    RankExited,
+    RankJoined,
+    SpareReady,
+)
+
+INTERVAL = 1.0
+AGENTS = {0: 900, 1: 901, 2: 902}  # node -> agent pid
+
+
+def envelope(ts: float, source: str = "test") -> dict[str, Any]:
+    return {"job_id": JOB, "generation": 0, "source": source, "ts": ts}
+
+
+def two_nodes(spare_nodes: int = 0, node_wait_s: float = 30.0) -> tuple[EngineState, int]:
+    """2 nodes x 2 ranks, one spare on node 0, and ``spare_nodes`` nodes of 2 spares each,
+    all joined and running; returns the state and the next log position."""
+    nodes = 2 + spare_nodes
+    records: list[Envelope] = [
+        JobStarted(
+            **envelope(T0),
+            world_size=4,
+            spares=1,
+            heartbeat_interval_s=INTERVAL,
+            nodes=2,
+            node_wait_s=node_wait_s,
+        ),
+        *(
+            NodeJoined(
+                **envelope(T0), node=n, pid=AGENTS[n], host="h", ranks=2 if n < 2 else 0, spares=1
+            )
+            for n in range(nodes)
+        ),
+        *(RankJoined(**envelope(T0 + 1), rank=r, pid=1000 + r, host="h") for r in range(4)),
+        SpareReady(**envelope(T0 + 2), spare_id=0, pid=2000, host="h", node=0),
+        *(
+            SpareReady(**envelope(T0 + 2), spare_id=s, pid=2000 + s, host="h", node=2)
+            for s in range(1, 1 + 2 * spare_nodes)
+        ),
+    ]
+    state = EngineState(JOB)
+    feed(state, records, 0)
+    assert state.job.state == "running"
+    return state, len(records)
+
+
+def essentials(decisions: list[Decision]) -> list[dict[str, Any]]:
+    return [d.model_dump(include={"type", "rank", "ranks", "node", "spare_id"}) for d in decisions]
+
+
+def lose_node_1(state: EngineState, position: int) -> list[Decision]:
+    missed = NodeMissed(**envelope(T0 + 9, "detector"), node=1, last_seen_ts=T0 + 5, silent_s=4)
+    return feed(state, [missed], position)
+
+
+def test_a_lost_node_is_one_incident_its_ranks_replaced_together_on_the_spare_node() -> None:
+    state, position = two_nodes(spare_nodes=1)
+    decisions = lose_node_1(state, position)
+    assert [d.type for d in decisions] == [
+        "isolate_node",
+        "isolate_rank",
+        "isolate_rank",
+        "assign_spare",
+        "assign_spare",
+        "regroup_planned",
+    ]
+    assigned = [d for d in decisions if d.type == "assign_spare"]
+    assert essentials(assigned) == [
+        {"type": "assign_spare", "rank": 2, "spare_id": 1, "node": 2},
+        {"type": "assign_spare", "rank": 3, "spare_id": 2, "node": 2},
+    ]
+    assert {d.incident_id for d in decisions if d.type != "isolate_node"} == {f"{JOB}-incident-1"}
+    [incident] = state.incidents
+    assert (incident.failed_ranks, incident.failed_node) == ([2, 3], 1)
+    assert state.spares[0].status == "ready"  # node 0's spare stays for the next failure
+    assert lose_node_1(state, position + 1) == []  # reported twice: one incident all the same
+
+
+def test_with_one_spare_left_the_other_rank_waits_for_a_node_that_brings_one() -> None:
+    state, position = two_nodes()
+    decisions = lose_node_1(state, position)
+    assert essentials([d for d in decisions if d.type in ("assign_spare", "await_node")]) == [
+        {"type": "assign_spare", "rank": 2, "spare_id": 0, "node": 0},
+        {"type": "await_node", "ranks": [3]},
+    ]
+    joined = NodeJoined(**envelope(T0 + 12), node=2, pid=AGENTS[2], host="h", ranks=0, spares=2)
+    ready = SpareReady(**envelope(T0 + 15), spare_id=1, pid=2001, host="h", node=2)
+    later = feed(state, [joined, ready], position + 1)
+    assert essentials(later) == [{"type": "assign_spare", "rank": 3, "spare_id": 1, "node": 2}]
+    assert state.awaiting_node == {} and state.awaiting_node_since is None
+
+
+def test_no_node_within_node_wait_fails_the_job_clearly() -> None:
+    state, position = two_nodes(node_wait_s=5.0)
+    lose_node_1(state, position)
+    assert detectors.node_wait_over(state, T0 + 9 + 5) == []  # not past the wait yet
+    [expired] = detectors.node_wait_over(state, T0 + 9 + 6)
+    assert isinstance(expired, NodeWaitExpired) and expired.ranks == [3]
+    [fail] = feed(state, [expired], position + 1)
+    assert fail.type == "fail_job" and "no capacity: rank(s) 3" in fail.reason  # type: ignore[attr-defined]
+    assert "--node-wait" in fail.reason  # type: ignore[attr-defined]
+    assert state.job.state == "failed"
+
+
+def test_a_silent_node_is_found_once_and_its_ranks_silence_is_the_nodes() -> None:
+    """Node 1's agent beat last at T0, its ranks at T0 + 4; node 0 and its ranks at T0 + 6."""
+    state, position = two_nodes()
+    beats: list[Envelope] = [
+        NodeHeartbeat(**envelope(T0 + 6), node=0, pid=AGENTS[0]),
+        *(
+            Heartbeat(**envelope(T0 + (6 if r < 2 else 4)), rank=r, step=-1, pid=1000 + r, host="h")
+            for r in range(4)
+        ),
+    ]
+    feed(state, beats, position)
+    now = T0 + 4 + 3 * INTERVAL + 0.5  # past ranks 2 and 3's limit too
+    assert [m.node for m in detectors.silent_nodes(state, now)] == [1]
+    assert detectors.silent_ranks(state, now) == []  # ranks 2, 3: their node's to report
+    later = T0 + 6 + 3 * INTERVAL + 0.5
+    assert [m.node for m in detectors.silent_nodes(state, later)] == [0, 1]
+
+
+def test_the_same_pid_on_another_node_is_not_the_rank() -> None:
+    state, position = two_nodes()
+    elsewhere = RankExited(**envelope(T0 + 5), rank=None, pid=1000, signal=9, node=1)
+    assert feed(state, [elsewhere], position) == []
+    assert state.ranks[0].machine.state == "healthy"

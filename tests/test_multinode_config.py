@@ -1,0 +1,80 @@
+"""`flashrecovery run` and `control-plane` refuse a multi-node setup that can't work, before
+starting anything, with a one-line reason (exit code 2)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from flashrecovery.cli import main
+
+SCRIPT = Path(__file__).parent / "scripts" / "train_mlp.py"
+SECRET = "0123456789abcdef0123"
+
+
+def refused(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    assert main(list(argv)) == 2
+    return capsys.readouterr().err
+
+
+@pytest.fixture
+def log(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'log.db'}"
+
+
+def run_args(log: str, *more: str) -> list[str]:
+    return ["run", "--nproc-per-node", "2", "--log", log, *more, str(SCRIPT)]
+
+
+def test_nodes_need_the_shared_secret(
+    capsys: pytest.CaptureFixture[str], log: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("FLASHRECOVERY_STORE_PREFIX", raising=False)
+    err = refused(capsys, *run_args(log, "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1234"))
+    assert "FLASHRECOVERY_STORE_PREFIX" in err
+
+
+def test_an_embedded_log_is_refused_for_a_job_across_hosts(
+    capsys: pytest.CaptureFixture[str], log: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FLASHRECOVERY_STORE_PREFIX", SECRET)
+    err = refused(capsys, *run_args(log, "--nnodes", "2", "--rdzv-endpoint", "10.1.2.3:29500"))
+    assert "spans hosts" in err and "kafka://" in err
+    err = refused(capsys, "control-plane", "--log", log, "--bind", "10.1.2.3:29500")
+    assert "spans hosts" in err
+
+
+@pytest.mark.parametrize(
+    ("more", "reason"),
+    [
+        (["--nnodes", "2"], "need --rdzv-endpoint"),
+        (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "127.0.0.1:1"], "outside 0..1"),
+        (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1", "--node-wait", "90"], "--node-wait"),
+        (["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "127.0.0.1:1", "--fault",
+          "0:raise@3"], "node 0's agent only"),
+    ],
+)  # fmt: skip
+def test_bad_node_options(
+    capsys: pytest.CaptureFixture[str],
+    log: str,
+    monkeypatch: pytest.MonkeyPatch,
+    more: list[str],
+    reason: str,
+) -> None:
+    monkeypatch.setenv("FLASHRECOVERY_STORE_PREFIX", SECRET)
+    assert reason in refused(capsys, *run_args(log, *more))
+
+
+def test_a_node_that_finds_no_store_says_where_it_looked(
+    capsys: pytest.CaptureFixture[str], log: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from flashrecovery.agent import rendezvous
+
+    monkeypatch.setenv("FLASHRECOVERY_STORE_PREFIX", SECRET)
+    monkeypatch.setattr(rendezvous, "JOIN_TIMEOUT", rendezvous.datetime.timedelta(seconds=1))
+    err = refused(
+        capsys,
+        *run_args(log, "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "127.0.0.1:9"),
+    )
+    assert "no job store at 127.0.0.1:9" in err
