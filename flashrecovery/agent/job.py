@@ -92,6 +92,8 @@ class Agent:
         try:
             member = rendezvous.join(config, self._start_job)
         except ConfigError as exc:
+            if self.metrics is not None:
+                self.metrics.stop()
             self._log.close()
             print(f"flashrecovery run: error: {exc}", file=sys.stderr)
             return 2
