@@ -1,6 +1,7 @@
 """Recovery time of a SIGKILLed rank, with a hot spare and with a freshly spawned replacement.
 
     python bench/rto.py [--worlds 2 4] [--kills 5] [--quick]
+    python bench/rto.py --nodes [2 3]
 
 For each world size and mode, one job of the demo's model runs under `flashrecovery run` while a
 seeded random rank is SIGKILLed from outside, ``--kills`` times, each once the job runs again
@@ -8,11 +9,18 @@ seeded random rank is SIGKILLed from outside, ``--kills`` times, each once the j
 rank having committed a new step (the engine's IncidentClosed); the phases come from the incident
 machine. Medians go to bench/results/rto.json, a table and bench/results/rto.png. It measures,
 it asserts nothing.
+
+With ``--nodes``, each job runs on loopback nodes (an agent each, 2 ranks and 1 hot spare per
+node, plus a spare node of 2 spares): a rank of the last node is SIGKILLed, then, once the job
+runs again, that whole node (its agent's process group). It also counts the records the job
+writes into its log per second while it trains, per node and per rank (bench/results/
+rto_nodes.json).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import statistics
 import tempfile
@@ -27,6 +35,7 @@ from flashrecovery.connectors import open_log
 from flashrecovery.demo.job import LaunchedJob
 from flashrecovery.demo.summary import incidents
 from flashrecovery.demo.watch import JobWatch, Kill, Killer, follow
+from flashrecovery.records import StepCompleted, Stream
 from flashrecovery.statemachines.incident import PHASES
 
 MODES = {"hot spare": 1, "fresh spawn": 0}
@@ -54,6 +63,100 @@ def measure(world: int, mode: str, kills: int, seed: int, tmp: Path, timeout: fl
             )
         rows = incidents(log, spec.job_id, killer.plan)["incidents"]
     return [r for r in rows if r["state"] == "closed" and r["rto_from_kill_s"] is not None]
+
+
+def measure_nodes(nodes: int, tmp: Path, timeout: float) -> dict[str, Any]:
+    """A rank kill, then a node kill, on ``nodes`` loopback nodes; the closed incidents' rows
+    and the job's record rate while it trained undisturbed."""
+    per_node = 2
+    spec = dataclasses.replace(
+        job_spec(f"rto-nodes-{nodes}", tmp, nproc=nodes * per_node, spares=1, steps=STEPS),
+        nodes=nodes,
+        spare_nodes=1,
+    )
+    last = nodes - 1
+    with open_log(spec.log_url) as log:
+        with LaunchedJob(spec) as job:
+            watch = JobWatch(log, spec.job_id)
+            killer = Killer(job, spare_wait_s=SPARE_WAIT_S)
+
+            def plan_next(_: Kill | None) -> None:
+                if not watch.running or killer.pending or len(killer.plan) >= 2:
+                    return
+                step = watch.committed() + GAP_STEPS * (4 if not killer.plan else 1)
+                rank_kill = Kill(last * per_node + 1, step)
+                killer.plan.append(rank_kill if not killer.plan else Kill(None, step, node=last))
+
+            follow(job, watch, killer, timeout, plan_next, until=lambda: watch.incidents[1] >= 2)
+        rows = incidents(log, spec.job_id, killer.plan, nodes)["incidents"]
+        first_kill = killer.plan[0].ts if killer.plan else None
+        rate = record_rate(log, spec.job_id, until=first_kill)
+    closed = [r for r in rows if r["state"] == "closed" and r["rto_from_kill_s"] is not None]
+    return {"nodes": nodes, "ranks": nodes * per_node, "incidents": closed, "records": rate}
+
+
+def record_rate(log: Any, job_id: str, until: float | None) -> dict[str, float]:
+    """Records per second into the events stream from the first committed step to ``until``."""
+    entries = [e.record for e in log.read(Stream.EVENTS, job_id) if e.record is not None]
+    start = next((r.ts for r in entries if isinstance(r, StepCompleted)), None)
+    if start is None or until is None or until <= start:
+        return {}
+    window = [r for r in entries if start <= r.ts < until]
+    seconds = until - start
+    by_writer = Counter(r.source.partition(":")[0] for r in window)
+    return {
+        "window_s": round(seconds, 3),
+        "total_per_s": round(len(window) / seconds, 2),
+        **{f"{writer}_per_s": round(n / seconds, 2) for writer, n in by_writer.items()},
+    }
+
+
+def nodes_main(node_counts: list[int], timeout: float, console: Console) -> None:
+    configs = []
+    with tempfile.TemporaryDirectory(prefix="flashrecovery-rto-nodes-") as tmp:
+        for nodes in node_counts:
+            console.print(f"{nodes} loopback nodes: a rank kill, then a node kill …")
+            configs.append(measure_nodes(nodes, Path(tmp), timeout))
+    path = write_json("rto_nodes", {"machine": machine(), "configs": configs})
+    columns, rows = [""], []
+    for config in configs:
+        for row in config["incidents"]:
+            columns.append(f"{config['nodes']} nodes: {row['failed']}")
+            rows.append(row)
+    console.print(
+        table(
+            "RTO by failure, ms (SIGKILL → every rank committed a new step)",
+            columns,
+            [
+                ["replaced by", *(str(r["replacement"]) for r in rows)],
+                ["RTO from the SIGKILL", *(_ms(r["rto_from_kill_s"]) for r in rows)],
+                *([f"  {s}", *(_ms(segments(r)[s]) for r in rows)] for s in SEGMENTS),
+            ],
+        )
+    )
+    console.print(
+        table(
+            "records/s into the log while training",
+            ["", *(f"{c['nodes']} nodes x 2 ranks" for c in configs)],
+            [
+                ["total", *(str(c["records"].get("total_per_s", "-")) for c in configs)],
+                [
+                    "per node",
+                    *(_per(c["records"].get("total_per_s"), c["nodes"] + 1) for c in configs),
+                ],
+                ["per rank", *(_per(c["records"].get("rank_per_s"), c["ranks"]) for c in configs)],
+                [
+                    "  of which agents",
+                    *(str(c["records"].get("agent_per_s", "-")) for c in configs),
+                ],
+            ],
+        )
+    )
+    console.print(f"written {path}")
+
+
+def _per(rate: float | None, count: int) -> str:
+    return "-" if rate is None else f"{rate / count:.1f}"
 
 
 def segments(row: dict[str, Any]) -> dict[str, float]:
@@ -88,10 +191,21 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="which ranks are killed")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per job at most")
     parser.add_argument("--quick", action="store_true", help="2 ranks, 2 kills per mode")
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        nargs="*",
+        default=None,
+        metavar="N",
+        help="loopback nodes per job (default 2 3): a rank kill and a node kill each",
+    )
     args = parser.parse_args()
+    console = Console()
+    if args.nodes is not None:
+        nodes_main(args.nodes or [2, 3], args.timeout, console)
+        return
     if args.quick:
         args.worlds, args.kills = [2], 2
-    console = Console()
     configs = []
     with tempfile.TemporaryDirectory(prefix="flashrecovery-rto-") as tmp:
         for world in args.worlds:
