@@ -77,9 +77,12 @@ def _node_quiet(state: EngineState, node: int, now: float) -> bool:
 
 def silent_nodes(state: EngineState, now: float) -> list[NodeMissed]:
     """Agents with no heartbeat for missed_heartbeats x interval (the host gone, the agent
-    SIGKILLed or SIGSTOPped): each loses its whole node at once."""
+    SIGKILLed or SIGSTOPped): each loses its whole node at once. Once a rank has finished, the
+    job is ending and agents leave as their ranks are done: silence is no loss then."""
     config = state.config
     if config is None or state.job.state in (*ENDED, JobState.FALLBACK):
+        return []
+    if state.rank_census[RankState.FINISHED]:
         return []
     limit = config.missed_heartbeats * config.heartbeat_interval_s
     return [

@@ -44,6 +44,9 @@ from flashrecovery.records import (
     HeartbeatMissed,
     IncidentClosed,
     JobStarted,
+    NodeHeartbeat,
+    NodeMissed,
+    NodeWaitExpired,
     RankExited,
     SpareActivated,
     SpareHeartbeat,
@@ -64,6 +67,9 @@ SETTINGS = {
     "max_incidents": "max_incidents",
 }
 SILENCE = ("heartbeat_interval_s", "missed_heartbeats", "startup_grace_s")
+Beat = Heartbeat | SpareHeartbeat | NodeHeartbeat  # proofs of life, resampled with the interval
+BEATS = (Heartbeat, SpareHeartbeat, NodeHeartbeat)
+SILENCE_FINDINGS = (HeartbeatMissed, SpareMissed, NodeMissed, NodeWaitExpired)
 STALLS = ("stall_factor", "stall_floor_s")
 TICK_S = 0.05  # the simulated engine looks this often between records (the loop's poll)
 SCALE = 1_000_000  # what-if positions: recorded p -> p * SCALE, inserted records after it
@@ -144,7 +150,7 @@ class _World:
     def keeps(self, record: Envelope, state: EngineState) -> bool:
         """Whether a recorded record is part of the what-if world."""
         if record.source == "detector" and (
-            (self.silence and isinstance(record, HeartbeatMissed | SpareMissed))
+            (self.silence and isinstance(record, SILENCE_FINDINGS))
             or (self.stalls and isinstance(record, StallSuspected))
         ):
             return False
@@ -171,7 +177,7 @@ def _beats(events: list[Entry], recorded: float, policy: float) -> tuple[set[int
     by_process: dict[tuple[str, int, int], list[Entry]] = {}
     for entry in events:
         record = entry.record
-        if isinstance(record, Heartbeat | SpareHeartbeat):
+        if isinstance(record, BEATS):
             by_process.setdefault(_process(record), []).append(entry)
     dropped: set[int] = set()
     added: list[Envelope] = []
@@ -322,7 +328,7 @@ class _Feeder:
         decided = decide(self.run.state, self.base + self.inserted, record)
         self.run.decisions += decided
         self.clock = max(self.clock, record.ts)
-        if isinstance(record, Heartbeat | SpareHeartbeat):
+        if isinstance(record, BEATS):
             self.beats[_process(record)] = record
         for decision in decided:
             self._pair(decision)
@@ -412,9 +418,13 @@ class _Feeder:
         self.matched = len(self.recorded)
 
 
-def _process(beat: Heartbeat | SpareHeartbeat) -> tuple[str, int, int]:
-    who = beat.rank if isinstance(beat, Heartbeat) else beat.spare_id
-    return (beat.type, who, beat.pid)
+def _process(beat: Beat) -> tuple[str, int, int]:
+    """Whose beat: a rank's, a spare's or a node's agent's process."""
+    if isinstance(beat, Heartbeat):
+        return (beat.type, beat.rank, beat.pid)
+    if isinstance(beat, SpareHeartbeat):
+        return (beat.type, beat.spare_id, beat.pid)
+    return (beat.type, beat.node, beat.pid)
 
 
 def _merged(

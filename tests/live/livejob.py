@@ -68,6 +68,12 @@ class Processes:
     ranks: dict[int, int] = field(default_factory=dict)  # rank -> pid of its current process
     spares: dict[int, int] = field(default_factory=dict)  # spare id -> pid, once ready
 
+    def observe(self, record: Envelope) -> None:
+        if record.type in ("rank_joined", "spare_activated", "replacement_spawned"):
+            self.ranks[record.rank] = record.pid  # type: ignore[attr-defined]
+        if record.type == "spare_ready":
+            self.spares[record.spare_id] = record.pid  # type: ignore[attr-defined]
+
 
 # A step of a scenario: called with each new event and the processes known so far; returns True
 # once it has done its part (the next step is then called from the following event on).
@@ -166,10 +172,7 @@ def run_job(
         for entry in events.poll(0.2):
             record = entry.record
             assert record is not None, entry.error
-            if record.type in ("rank_joined", "spare_activated", "replacement_spawned"):
-                known.ranks[record.rank] = record.pid
-            if record.type == "spare_ready":
-                known.spares[record.spare_id] = record.pid
+            known.observe(record)
             if record.type == "step_completed" and pending.get(record.rank, STEPS) <= record.step:
                 os.kill(known.ranks[record.rank], signal.SIGKILL)
                 killed[record.rank] = known.ranks[record.rank]

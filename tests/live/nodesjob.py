@@ -18,7 +18,8 @@ from pathlib import Path
 from livejob import HEARTBEAT_S, SCRIPT, STEP_TIME_S, STEPS, JobResult, Processes, _alive
 
 from flashrecovery.agent.loopback import LoopbackNodes
-from flashrecovery.connectors import open_log
+from flashrecovery.connectors import LogConnector, open_log
+from flashrecovery.errors import LogError
 from flashrecovery.records import Envelope, StepCompleted, Stream
 
 NODES_TIMEOUT_S = 150.0
@@ -37,6 +38,7 @@ def run_nodes(
     spares: int = 1,
     spare_nodes: int = 0,
     control_plane: bool = False,
+    log_url: str | None = None,
     scenario: list[NodeScenario] | None = None,
     script_args: list[str] | None = None,
 ) -> tuple[JobResult, dict[int, int | None]]:
@@ -45,11 +47,10 @@ def run_nodes(
     out = tmp_path / "out"
     out.mkdir()
     args = ["--steps", str(STEPS), "--out", str(out), "--step-time", str(STEP_TIME_S)]
-    db = tmp_path / "log.db"
     nodes = LoopbackNodes(
         script=SCRIPT,
         script_args=[*args, *(script_args or [])],
-        log_url=f"sqlite:///{db}",
+        log_url=log_url or f"sqlite:///{tmp_path / 'log.db'}",
         job_id="nodes",
         nnodes=nnodes,
         nproc=nproc,
@@ -62,19 +63,14 @@ def run_nodes(
     deadline = time.monotonic() + NODES_TIMEOUT_S
     codes: dict[int, int | None] = {}
     try:
-        while not db.exists() and nodes.wait(0, 0.1) is None:
-            assert time.monotonic() < deadline, "node 0 never opened the log"
-        log = open_log(nodes.log_url, read_only=True)
+        log = _opened(nodes, deadline)
         known, steps, position = Processes(), list(scenario or []), 0
         while nodes.wait(0, 0) is None and time.monotonic() < deadline:
             for entry in log.follow(Stream.EVENTS, nodes.job_id, position, 0.2):
                 position = entry.position + 1
                 record = entry.record
                 assert record is not None, entry.error
-                if record.type in ("rank_joined", "spare_activated", "replacement_spawned"):
-                    known.ranks[record.rank] = record.pid
-                if record.type == "spare_ready":
-                    known.spares[record.spare_id] = record.pid
+                known.observe(record)
                 if steps and steps[0](record, known, nodes):
                     steps.pop(0)
         codes = {node: nodes.wait(node, 10.0) for node in nodes.agents}
@@ -93,6 +89,16 @@ def run_nodes(
     left = [pid for pid in ours if _alive(pid)]
     assert not left, f"processes of the job still running: {left}"
     return job, codes
+
+
+def _opened(nodes: LoopbackNodes, deadline: float) -> LogConnector:
+    """The job's log, once node 0 has created it (read only: the tests create nothing)."""
+    while True:
+        try:
+            return open_log(nodes.log_url, read_only=True)
+        except LogError:
+            assert nodes.wait(0, 0.2) is None, "node 0 ended before it opened the log"
+            assert time.monotonic() < deadline, "node 0 never opened the log"
 
 
 def when(

@@ -144,6 +144,21 @@ def test_the_control_plane_on_its_own_process(
     assert_recovered(job, nodes_reference, failed={1})
 
 
+@pytest.mark.kafka
+def test_the_control_plane_apart_with_the_log_on_kafka(
+    tmp_path: Path, nodes_reference: torch.Tensor, kafka_log_url: str
+) -> None:
+    """The log across hosts is Kafka: every node and the control plane reach it."""
+    job, codes = run_nodes(
+        tmp_path,
+        control_plane=True,
+        log_url=kafka_log_url,
+        scenario=[when(committed(2, 8), kill_rank(2))],
+    )
+    assert codes == {0: 0, 1: 0, CONTROL: 0}
+    assert_recovered(job, nodes_reference, failed={2})
+
+
 def test_losing_the_control_plane_ends_the_job_in_one_line(tmp_path: Path) -> None:
     def kill_control_plane(known: Processes, nodes: LoopbackNodes) -> None:
         assert nodes.control is not None
