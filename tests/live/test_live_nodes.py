@@ -83,17 +83,20 @@ def test_agent_stopped_its_ranks_are_replaced_by_the_other_nodes_spares(
 ) -> None:
     """The stopped agent's ranks still run: the ranks hold at step 10 until the node is found
     lost, so the job can't end before. Node 0's one spare takes a rank, the other waits for
-    the spare node 0 starts in its place."""
+    the spare node 0 starts in its place. Woken up, the agent tears its node down and ends."""
     gate = tmp_path / "gate"
     job, codes = run_nodes(
         tmp_path,
         scenario=[
             when(committed(3, 8), signal_node(1, signal.SIGSTOP)),
             when(of_type("node_missed"), open_gate(gate)),
+            when(of_type("spare_activated"), signal_node(1, signal.SIGCONT)),
         ],
         script_args=["--hold-at", "10", "--hold-file", str(gate)],
     )
-    assert codes[0] == 0 and codes[1] is None  # stopped to the end, then torn down
+    assert codes[0] == 0 and codes[1] == 1  # woken up, it reads that its node was given up
+    said = (tmp_path / "output" / "node1.log").read_text()
+    assert "this node was declared lost: node 1 lost: no heartbeat" in said
     assert_recovered(job, nodes_reference, failed={2, 3})
     [isolated] = job.decisions("isolate_node")
     assert isolated.node == 1 and "no heartbeat" in isolated.reason
