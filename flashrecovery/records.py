@@ -445,7 +445,8 @@ class FailJob(Decision):
 class IncidentClosed(Decision):
     type: Literal["incident_closed"] = "incident_closed"
     failed_rank: RankId
-    failed_ranks: list[RankId] = Field(default_factory=list)  # all of a lost node's
+    # A lost node's ranks, failed_rank first (empty when one rank failed: older logs replay).
+    failed_ranks: list[RankId] = Field(default_factory=list)
     failed_node: NodeId | None = None  # set when a whole node was lost
     rto_s: float
     rpo_steps: int

@@ -99,7 +99,7 @@ def test_kill_with_spare_decides_isolate_replace_regroup_restore_resume() -> Non
             "caused_by": steps_after[3].position,  # the 4th rank to commit step 3
             "incident_id": incident,
             "failed_rank": 2,
-            "failed_ranks": [2],
+            "failed_ranks": [],
             "failed_node": None,
             "rpo_steps": 0,
             "recomputed_steps": 1,

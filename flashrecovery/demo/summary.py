@@ -148,7 +148,7 @@ def incidents(log: LogConnector, job_id: str, kills: list[Kill], nodes: int = 1)
             {
                 "incident_id": incident.incident_id,
                 "failed_rank": incident.failed_rank,
-                "failed": _failed(incident.failed_ranks, incident.failed_node),
+                "failed": incident.what_failed,
                 "reason": incident.reason,
                 "state": row["state"],
                 "replacement": replaced.get(incident.incident_id),
@@ -170,11 +170,6 @@ def incidents(log: LogConnector, job_id: str, kills: list[Kill], nodes: int = 1)
             for key in ("ok", "events", "decisions_checked", "divergence", "job_state")
         },
     }
-
-
-def _failed(ranks: list[int], node: int | None) -> str:
-    what = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-    return what if node is None else f"node {node} ({what})"
 
 
 def _since(start: float | None, end: float | None) -> float | None:

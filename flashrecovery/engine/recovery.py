@@ -348,7 +348,7 @@ def maybe_close_incidents(ctx: Context) -> None:
             IncidentClosed,
             incident_id=incident.incident_id,
             failed_rank=incident.failed_rank,
-            failed_ranks=incident.failed_ranks,
+            failed_ranks=incident.failed_ranks if incident.failed_node is not None else [],
             failed_node=incident.failed_node,
             rto_s=round(ctx.record.ts - incident.failure_ts, 6),
             rpo_steps=max(0, incident.committed_before - resume_step),

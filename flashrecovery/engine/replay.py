@@ -54,6 +54,7 @@ class ReplayReport:
                 {
                     "incident_id": incident.incident_id,
                     "failed_rank": incident.failed_rank,
+                    "failed": incident.what_failed,
                     "state": incident.machine.state,
                     "reason": incident.reason,
                     "generation": incident.generation,

@@ -49,7 +49,7 @@ def print_replay(report: ReplayReport, console: Console | None = None) -> None:
         return
     for inc in data["incidents"]:
         console.print(
-            f"[bold]{escape(inc['incident_id'])}[/]: rank {inc['failed_rank']}, "
+            f"[bold]{escape(inc['incident_id'])}[/]: {inc['failed']}, "
             f"{escape(inc['reason'])} "
             f"-> {inc['state']} (generation {inc['generation']}, resumed after step "
             f"{inc['resume_step']})",

@@ -85,6 +85,13 @@ class Incident:
     failed_ranks: list[int] = field(default_factory=list)  # failed_rank and those lost with it
     failed_node: int | None = None  # a whole node was lost
 
+    @property
+    def what_failed(self) -> str:
+        """ "rank 2", or "node 1 (ranks 2, 3)" for a lost node."""
+        ranks = self.failed_ranks or [self.failed_rank]
+        what = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        return what if self.failed_node is None else f"node {self.failed_node} ({what})"
+
 
 @dataclass
 class StepIndex:
