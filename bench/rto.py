@@ -11,8 +11,8 @@ machine. Medians go to bench/results/rto.json, a table and bench/results/rto.png
 it asserts nothing.
 
 With ``--nodes``, each job runs on loopback nodes (an agent each, 2 ranks and 1 hot spare per
-node, plus a spare node of 2 spares): a rank of the last node is SIGKILLed, then, once the job
-runs again, that whole node (its agent's process group). It also counts the records the job
+node, plus a spare node of 2 spares): rank 1 (on node 0) is SIGKILLed, then, once the job runs
+again, the last node (its agent's process group). It also counts the records the job
 writes into its log per second while it trains, per node and per rank (bench/results/
 rto_nodes.json).
 """
@@ -84,7 +84,7 @@ def measure_nodes(nodes: int, tmp: Path, timeout: float) -> dict[str, Any]:
                 if not watch.running or killer.pending or len(killer.plan) >= 2:
                     return
                 step = watch.committed() + GAP_STEPS * (4 if not killer.plan else 1)
-                rank_kill = Kill(last * per_node + 1, step)
+                rank_kill = Kill(1, step)  # on node 0: the node killed next still holds its ranks
                 killer.plan.append(rank_kill if not killer.plan else Kill(None, step, node=last))
 
             follow(job, watch, killer, timeout, plan_next, until=lambda: watch.incidents[1] >= 2)
@@ -92,7 +92,13 @@ def measure_nodes(nodes: int, tmp: Path, timeout: float) -> dict[str, Any]:
         first_kill = killer.plan[0].ts if killer.plan else None
         rate = record_rate(log, spec.job_id, until=first_kill)
     closed = [r for r in rows if r["state"] == "closed" and r["rto_from_kill_s"] is not None]
-    return {"nodes": nodes, "ranks": nodes * per_node, "incidents": closed, "records": rate}
+    return {
+        "nodes": nodes,
+        "ranks": nodes * per_node,
+        "kills": [dataclasses.asdict(k) for k in killer.plan],
+        "incidents": closed,
+        "records": rate,
+    }
 
 
 def record_rate(log: Any, job_id: str, until: float | None) -> dict[str, float]:
@@ -141,10 +147,13 @@ def nodes_main(node_counts: list[int], timeout: float, console: Console) -> None
             [
                 ["total", *(str(c["records"].get("total_per_s", "-")) for c in configs)],
                 [
-                    "per node",
+                    "per node (the spare node too)",
                     *(_per(c["records"].get("total_per_s"), c["nodes"] + 1) for c in configs),
                 ],
-                ["per rank", *(_per(c["records"].get("rank_per_s"), c["ranks"]) for c in configs)],
+                [
+                    "per rank, from it",
+                    *(_per(c["records"].get("rank_per_s"), c["ranks"]) for c in configs),
+                ],
                 [
                     "  of which agents",
                     *(str(c["records"].get("agent_per_s", "-")) for c in configs),

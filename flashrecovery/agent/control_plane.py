@@ -14,6 +14,7 @@ import datetime
 import os
 import signal
 import sys
+import time
 
 from flashrecovery.agent import rendezvous
 from flashrecovery.agent.config import MIN_SECRET, Endpoint, check_shared_log
@@ -22,7 +23,8 @@ from flashrecovery.agent.store import JobStore
 from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.errors import ConfigError, LogError
 
-JOB_WAIT = datetime.timedelta(hours=24)  # how long it waits for node 0 to start the job
+STORE_TIMEOUT = datetime.timedelta(seconds=60)
+JOB_POLL_S = 0.2  # how often it looks whether node 0's agent has started the job
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
                 f"FLASHRECOVERY_STORE_PREFIX (at least {MIN_SECRET} characters, the same for "
                 "every agent) must be set"
             )
-        store = JobStore.open(JOB_WAIT, endpoint.host, endpoint.port, secret)
+        store = JobStore.open(STORE_TIMEOUT, endpoint.host, endpoint.port, secret)
     except ConfigError as exc:
         print(f"flashrecovery control-plane: error: {exc}", file=sys.stderr)
         return 2
@@ -54,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
     )
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
+        while not store.keys.check([rendezvous.JOB_KEY]):  # a signal can end this wait
+            time.sleep(JOB_POLL_S)
         job_id = store.keys.get(rendezvous.JOB_KEY).decode()  # node 0's agent started it
         if args.job_id is not None and args.job_id != job_id:
             print(f"flashrecovery control-plane: error: job {job_id!r} is not {args.job_id!r}")
