@@ -3,11 +3,15 @@ starting anything, with a one-line reason (exit code 2)."""
 
 from __future__ import annotations
 
+import datetime
 from pathlib import Path
 
 import pytest
 
+from flashrecovery.agent import rendezvous
+from flashrecovery.agent.store import JobStore
 from flashrecovery.cli import main
+from flashrecovery.errors import ConfigError
 
 SCRIPT = Path(__file__).parent / "scripts" / "train_mlp.py"
 SECRET = "0123456789abcdef0123"
@@ -69,12 +73,22 @@ def test_bad_node_options(
 def test_a_node_that_finds_no_store_says_where_it_looked(
     capsys: pytest.CaptureFixture[str], log: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from flashrecovery.agent import rendezvous
-
     monkeypatch.setenv("FLASHRECOVERY_STORE_PREFIX", SECRET)
-    monkeypatch.setattr(rendezvous, "JOIN_TIMEOUT", rendezvous.datetime.timedelta(seconds=1))
+    monkeypatch.setattr(rendezvous, "JOIN_TIMEOUT", datetime.timedelta(seconds=1))
     err = refused(
         capsys,
         *run_args(log, "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "127.0.0.1:9"),
     )
     assert "no job store at 127.0.0.1:9" in err
+
+
+def test_node_ranks_are_claimed_once_and_auto_takes_the_lowest_free() -> None:
+    store = JobStore.open(datetime.timedelta(seconds=5))  # a real store, on loopback
+    for node in (0, 2):
+        store.keys.set(f"rdzv/node/{node}", f"elsewhere:{node}")
+    with pytest.raises(ConfigError, match="node rank 2 is taken by the agent elsewhere:2"):
+        rendezvous._claim(store, 2)
+    assert rendezvous._claim(store, None) == 1
+    assert rendezvous._claim(store, None) == 1  # the same agent asking again keeps its rank
+    store.keys.set("rdzv/node/3", "elsewhere:3")
+    assert rendezvous._claim(store, 4) == 4
