@@ -126,14 +126,6 @@ class NodeJoined(Envelope):
     spares: int = Field(ge=0)
 
 
-class NodeHeartbeat(Envelope):
-    """Proof of life from a node's agent, one per interval: its silence loses the whole node."""
-
-    type: Literal["node_heartbeat"] = "node_heartbeat"
-    node: NodeId
-    pid: int = Field(ge=1)
-
-
 class RankJoined(Envelope):
     """A rank built its generation-0 groups and is about to train."""
 
@@ -172,6 +164,20 @@ class SpareHeartbeat(Envelope):
     type: Literal["spare_heartbeat"] = "spare_heartbeat"
     spare_id: int = Field(ge=0)
     pid: int = Field(ge=1)
+
+
+class NodeHeartbeat(Envelope):
+    """Proof of life from a node's agent, one per interval: its silence loses the whole node.
+    ``beats`` are the node's processes' own heartbeats of that interval (the newest of each),
+    which they hand to their agent instead of writing them to the log: one record per node per
+    interval, whatever the number of ranks; the engine applies each as if it came alone."""
+
+    type: Literal["node_heartbeat"] = "node_heartbeat"
+    node: NodeId
+    pid: int = Field(ge=1)
+    beats: list[Annotated[Heartbeat | SpareHeartbeat, Field(discriminator="type")]] = Field(
+        default_factory=list
+    )
 
 
 class StepCompleted(Envelope):

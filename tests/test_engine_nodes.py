@@ -145,3 +145,18 @@ def test_the_same_pid_on_another_node_is_not_the_rank() -> None:
     elsewhere = RankExited(**envelope(T0 + 5), rank=None, pid=1000, signal=9, node=1)
     assert feed(state, [elsewhere], position) == []
     assert state.ranks[0].machine.state == "healthy"
+
+
+def test_the_beats_a_node_heartbeat_carries_count_as_the_ranks_own() -> None:
+    state, position = two_nodes()
+    beat = Heartbeat(**envelope(T0 + 6, "rank:2"), rank=2, step=-1, pid=1002, host="h")
+    stale = beat.model_copy(update={"rank": 3, "pid": 9999})  # not rank 3's process
+    carried = NodeHeartbeat(**envelope(T0 + 6.5), node=1, pid=AGENTS[1], beats=[beat, stale])
+    fenced = state.fenced
+    assert feed(state, [carried], position) == []
+    assert state.ranks[2].last_heartbeat_ts == T0 + 6.5  # when its agent vouched for it
+    assert state.ranks[3].last_heartbeat_ts != T0 + 6.5
+    assert state.fenced == fenced + 1
+    other = NodeHeartbeat(**envelope(T0 + 7), node=1, pid=4242, beats=[beat])  # an old agent
+    feed(state, [other], position + 1)
+    assert state.fenced == fenced + 2

@@ -21,6 +21,7 @@ import flashrecovery
 from flashrecovery.agent import rendezvous
 from flashrecovery.agent.actions import SPAWNS_PER_S, Actions, SpawnBudget
 from flashrecovery.agent.config import AgentConfig
+from flashrecovery.agent.relay import BeatRelay
 from flashrecovery.agent.store import JobStore
 from flashrecovery.agent.supervisor import Child, Supervisor
 from flashrecovery.chain import seal
@@ -102,9 +103,10 @@ class Agent:
         if config.hosts_store and not config.external_engine:
             engine = EngineLoop(self.log_url, self.job_id).start()
         self._engine = engine
+        relay = BeatRelay() if config.multinode else None  # the node's beats in one record
         supervisor = Supervisor(
             [sys.executable, str(config.script), *config.script_args],
-            self._child_env(member.store),
+            self._child_env(member.store, relay),
             self._on_exit,
             config.output_dir,
             nproc_per_node=config.nproc,
@@ -121,7 +123,7 @@ class Agent:
             node=member.node,
             say=lambda line: print(line, file=sys.stderr, flush=True),
         )
-        heartbeat = self._node_heartbeat(member) if config.multinode else None
+        heartbeat = self._node_heartbeat(member, relay) if relay is not None else None
         previous = _handle_signals()
         outcome = Outcome("failed", 1, "interrupted")
         try:
@@ -139,6 +141,8 @@ class Agent:
             finally:
                 if heartbeat is not None:
                     heartbeat.stop()
+                if relay is not None:
+                    relay.close()
                 if config.hosts_store:
                     wait_for_agents(member.store, len(actions.lost_nodes) + 1, outcome.status)
                 if config.starts_job:
@@ -172,8 +176,9 @@ class Agent:
             )
         )
 
-    def _node_heartbeat(self, member: rendezvous.Membership) -> HeartbeatThread:
-        """Say the node joined, then beat for it every interval from a thread of its own."""
+    def _node_heartbeat(self, member: rendezvous.Membership, relay: BeatRelay) -> HeartbeatThread:
+        """Say the node joined, then beat for it every interval from a thread of its own,
+        carrying its processes' beats of the interval."""
         host, pid = socket.gethostname(), os.getpid()
         envelope: dict[str, Any] = {
             "job_id": self.job_id,
@@ -193,7 +198,7 @@ class Agent:
         thread = HeartbeatThread(
             self._log,
             self.config.heartbeat_interval_s,
-            lambda: NodeHeartbeat(**envelope, node=member.node, pid=pid),
+            lambda: NodeHeartbeat(**envelope, node=member.node, pid=pid, beats=relay.take()),
         )
         thread.start()
         return thread
@@ -284,7 +289,7 @@ class Agent:
             elif time.monotonic() - down_since > STUCK_AFTER_S:
                 return Outcome("failed", 1, f"a rank stayed down for {STUCK_AFTER_S:.0f}s")
 
-    def _child_env(self, store: JobStore) -> dict[str, str]:
+    def _child_env(self, store: JobStore, relay: BeatRelay | None) -> dict[str, str]:
         inherited = {
             k: v
             for k, v in os.environ.items()
@@ -316,6 +321,7 @@ class Agent:
                 else {}
             ),
             "FLASHRECOVERY_NODE": str(self.node),
+            **({"FLASHRECOVERY_AGENT_SOCKET": relay.path} if relay is not None else {}),
         }
 
     def _on_exit(self, child: Child, code: int) -> None:

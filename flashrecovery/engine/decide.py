@@ -150,11 +150,22 @@ def _node_joined(ctx: Context, record: NodeJoined) -> None:
 
 
 def _node_heartbeat(ctx: Context, record: NodeHeartbeat) -> None:
-    node = ctx.state.nodes.get(record.node)
+    state = ctx.state
+    node = state.nodes.get(record.node)
     if node is None or node.pid != record.pid or node.lost:
-        ctx.state.fenced += 1  # not joined yet, an old agent, or a node already given up
+        state.fenced += 1  # not joined yet, an old agent, or a node already given up
         return
     node.last_heartbeat_ts = record.ts
+    # Each carried beat as if it came alone, at the agent's time: the agent vouches that the
+    # process beat within this interval. So a rank's silence is timed on its node's record, and
+    # a dying node's ranks fall silent with it, never a beat ahead of it (detectors.py).
+    for beat in record.beats:
+        at_node = beat.model_copy(update={"ts": record.ts})
+        inner = Context(state, ctx.position, at_node, decisions=ctx.decisions)
+        try:
+            _apply(inner)
+        except Rejected as exc:
+            state.reject(f"{beat.type} in {record.type}: {exc}")
 
 
 def _node_missed(ctx: Context, record: NodeMissed) -> None:

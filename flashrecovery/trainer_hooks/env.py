@@ -31,6 +31,7 @@ class LaunchEnv:
     final_state_dir: Path | None  # where finish() leaves the final state (final_state.py)
     shards: int = 1  # rank r holds model shard r % shards
     node: int = 0  # the node whose agent started it (FLASHRECOVERY_NODE)
+    agent_socket: str | None = None  # where heartbeats go instead of the log (agent/relay.py)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> LaunchEnv:
@@ -69,6 +70,7 @@ class LaunchEnv:
                 fault_plan=FaultPlan.parse(env.get("FLASHRECOVERY_FAULT_PLAN", "")),
                 final_state_dir=Path(env[final_state.ENV]) if env.get(final_state.ENV) else None,
                 node=int(env.get("FLASHRECOVERY_NODE", "0")),
+                agent_socket=env.get("FLASHRECOVERY_AGENT_SOCKET") or None,
             )
         except ValueError as exc:
             raise LaunchError(f"bad launch environment: {exc}") from None

@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import contextlib
+import socket
 import threading
 from collections.abc import Callable
 
 from flashrecovery.connectors.base import LogConnector
 from flashrecovery.errors import LogError
-from flashrecovery.records import Envelope, Stream
+from flashrecovery.records import Envelope, Stream, dump_record
 
 
 class HeartbeatThread:
@@ -18,8 +19,15 @@ class HeartbeatThread:
         log: LogConnector,
         interval_s: float,
         beat: Callable[[], Envelope | None],
+        relay: str | None = None,
     ) -> None:
         self._log = log
+        # On a node of a multi-node job the beats go to the agent's socket (agent/relay.py),
+        # which carries them in its own record; never blocking, so a stopped agent costs nothing.
+        self._relay = relay
+        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) if relay else None
+        if self._socket is not None:
+            self._socket.setblocking(False)
         self._interval_s = interval_s
         self._beat = beat  # builds the current heartbeat; None: nothing to say yet
         self._stop = threading.Event()
@@ -33,13 +41,20 @@ class HeartbeatThread:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(self._interval_s * 2 + 1)
+        if self._socket is not None:
+            self._socket.close()
 
     def _run(self) -> None:
         while True:
             record = self._beat()
             if record is not None:
-                # A beat lost to a busy log is what the detector tolerates; the next may pass.
-                with contextlib.suppress(LogError):
-                    self._log.append(Stream.EVENTS, record)
+                # A beat lost to a busy log (or agent) is what the detector tolerates; the next
+                # may pass.
+                if self._socket is not None and self._relay is not None:
+                    with contextlib.suppress(OSError):
+                        self._socket.sendto(dump_record(record), self._relay)
+                else:
+                    with contextlib.suppress(LogError):
+                        self._log.append(Stream.EVENTS, record)
             if self._stop.wait(self._interval_s):
                 return

@@ -108,7 +108,9 @@ class Session:
         # The user's process groups (DDP, FSDP2, DeviceMesh): rebuilt under them per generation.
         self._stable = stable_group.StableGroups("cuda" if torch.cuda.is_available() else "cpu")
         self._follower = DecisionFollower(self._log, env.job_id, self._on_regroup)
-        self._heartbeat = HeartbeatThread(self._log, env.heartbeat_interval_s, self._beat)
+        self._heartbeat = HeartbeatThread(
+            self._log, env.heartbeat_interval_s, self._beat, relay=env.agent_socket
+        )
         self._follower.start()
         self._heartbeat.start()
         try:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from livejob import JobResult, Processes
+from livejob import HEARTBEAT_S, JobResult, Processes
 from nodesjob import CONTROL, committed, kill_rank, of_type, open_gate, run_nodes, signal_node, when
 
 from flashrecovery.agent.loopback import LoopbackNodes
@@ -52,6 +52,13 @@ def test_rank_killed_on_node_1_is_replaced(tmp_path: Path, nodes_reference: torc
     job, codes = run_nodes(tmp_path, scenario=[when(committed(3, 8), kill_rank(3))])
     assert codes == {0: 0, 1: 0}
     assert_recovered(job, nodes_reference, failed={3})
+    # The ranks' and spares' beats reach the log only inside their agent's: one record per
+    # node per interval.
+    assert job.records(type="heartbeat") == job.records(type="spare_heartbeat") == []
+    node_beats = job.records(type="node_heartbeat")
+    assert {b.rank for nb in node_beats for b in nb.beats if b.type == "heartbeat"} == {0, 1, 2, 3}
+    span = node_beats[-1].ts - node_beats[0].ts
+    assert len(node_beats) <= 2 * (span / HEARTBEAT_S + 2)
     [assigned] = job.decisions("assign_spare")
     ready = {s.spare_id: s.node for s in job.records(type="spare_ready")}
     assert assigned.rank == 3 and assigned.node == ready[assigned.spare_id]
