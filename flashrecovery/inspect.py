@@ -58,7 +58,10 @@ def matches(entry: Entry, args: argparse.Namespace) -> bool:
         return args.rank is None and not args.types
     if args.types and record.type not in args.types:
         return False
-    return args.rank is None or getattr(record, "rank", None) == args.rank
+    if args.rank is None or getattr(record, "rank", None) == args.rank:
+        return True
+    # A node's heartbeat carries its ranks' beats (agent/relay.py): it is about each of them.
+    return any(getattr(beat, "rank", None) == args.rank for beat in getattr(record, "beats", []))
 
 
 def as_json(job_id: str, stream: Stream, entry: Entry) -> dict[str, Any]:

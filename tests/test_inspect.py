@@ -8,12 +8,21 @@ import os
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from flashrecovery.cli import main
 from flashrecovery.connectors import open_log
-from flashrecovery.records import CollectiveError, HealthReport, JobStarted, RankJoined, Stream
+from flashrecovery.records import (
+    CollectiveError,
+    HealthReport,
+    Heartbeat,
+    JobStarted,
+    NodeHeartbeat,
+    RankJoined,
+    Stream,
+)
 
 JOB = "bracketed"
 # What gloo says when a peer is SIGKILLed mid-collective, and text that looks like rich markup.
@@ -123,3 +132,20 @@ def test_a_reader_that_stops_early_ends_the_command_quietly(
     assert head.lstrip().startswith(first_line)
     assert status == "status 0 0", done.stderr
     assert done.stderr == ""
+
+
+def test_events_of_a_rank_include_the_node_heartbeats_that_carry_its_beats(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"sqlite:///{tmp_path}/log.db"
+    envelope = {"job_id": JOB, "generation": 0}
+    beat = Heartbeat(**envelope, source="rank:3", rank=3, step=5, pid=303, host="h")
+    with open_log(url) as log:
+        for carried in ([beat], []):
+            log.append(
+                Stream.EVENTS,
+                NodeHeartbeat(**envelope, source="agent:1", node=1, pid=900, beats=carried),
+            )
+    assert main(["events", "--log", url, "--job", JOB, "--rank", "3", "--json"]) == 0
+    [shown] = capsys.readouterr().out.splitlines()
+    assert '"rank": 3' in shown and '"step": 5' in shown
