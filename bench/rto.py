@@ -42,7 +42,12 @@ MODES = {"hot spare": 1, "fresh spawn": 0}
 GAP_STEPS = 3  # steps of normal training between a recovery and the next kill
 SPARE_WAIT_S = 90.0  # a refilled spare starts python and torch on busy cores
 STEPS = 1_000_000  # never reached: the bench ends the job once it has its kills
-SEGMENTS = ["detection", *PHASES[1:]]  # the engine's "detected" phase is the exit record itself
+SEGMENTS = ["detection", *PHASES[1:]]
+BEAT_TYPES = (
+    "heartbeat",
+    "spare_heartbeat",
+    "node_heartbeat",
+)  # proofs of life, any writer  # the engine's "detected" phase is the exit record itself
 
 
 def measure(world: int, mode: str, kills: int, seed: int, tmp: Path, timeout: float) -> list[Any]:
@@ -110,9 +115,11 @@ def record_rate(log: Any, job_id: str, until: float | None) -> dict[str, float]:
     window = [r for r in entries if start <= r.ts < until]
     seconds = until - start
     by_writer = Counter(r.source.partition(":")[0] for r in window)
+    beats = sum(r.type in BEAT_TYPES for r in window)
     return {
         "window_s": round(seconds, 3),
         "total_per_s": round(len(window) / seconds, 2),
+        "heartbeat_records_per_s": round(beats / seconds, 2),
         **{f"{writer}_per_s": round(n / seconds, 2) for writer, n in by_writer.items()},
     }
 
@@ -146,6 +153,10 @@ def nodes_main(node_counts: list[int], timeout: float, console: Console) -> None
             ["", *(f"{c['nodes']} nodes x 2 ranks" for c in configs)],
             [
                 ["total", *(str(c["records"].get("total_per_s", "-")) for c in configs)],
+                [
+                    "  heartbeat records",
+                    *(str(c["records"].get("heartbeat_records_per_s", "-")) for c in configs),
+                ],
                 [
                     "per node (the spare node too)",
                     *(_per(c["records"].get("total_per_s"), c["nodes"] + 1) for c in configs),
