@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -32,34 +33,37 @@ from flashrecovery.trainer_hooks.final_state import parameters_sha256
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize(("parallel", "nproc"), [("hook", 2), ("ddp", 2), ("hsdp", 4)])
-def test_demo_kill_recovers_bitwise_equal(tmp_path: Path, parallel: str, nproc: int) -> None:
-    """With the hook's own reduce, with the GPT wrapped in torch DDP on the stable group, and
-    sharded with FSDP2 on a 2 x 2 HSDP mesh (rank 1 restored from rank 3, its shard's replica)."""
+def run_demo(tmp_path: Path, *options: str, timeout: float) -> tuple[dict[str, Any], str, int]:
+    """`flashrecovery demo … --verify --json` as a user runs it: its summary, the summary as
+    context for a failed assertion, and the exit code."""
     command = [
-        sys.executable,
-        "-m",
-        "flashrecovery.cli",
-        "demo",
-        "--nproc", str(nproc),
-        "--spares", "1",
-        "--steps", "16",  # room for the kill to wait for the spare on a busy machine
-        "--kill", "1@3",
-        "--verify",
-        "--json",
-        "--run-dir", str(tmp_path / "run"),
-        "--min-step-s", "0.1",
-        "--timeout", "120",
-        "--parallel", parallel,
+        sys.executable, "-m", "flashrecovery.cli", "demo", *options,
+        "--verify", "--json", "--run-dir", str(tmp_path / "run"), "--min-step-s", "0.1",
     ]  # fmt: skip
     # Agent and ranks import this checkout, whichever copy the environment has installed.
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run(
-        command, capture_output=True, text=True, timeout=280, cwd=tmp_path, env=env
+        command, capture_output=True, text=True, timeout=timeout, cwd=tmp_path, env=env
     )
     assert done.stdout.strip(), f"no summary; stderr:\n{done.stderr[-3000:]}"
     summary = json.loads(done.stdout)
-    context = json.dumps(summary, indent=1)[:4000]
+    return summary, json.dumps(summary, indent=1)[:4000], done.returncode
+
+
+@pytest.mark.parametrize(("parallel", "nproc"), [("hook", 2), ("ddp", 2), ("hsdp", 4)])
+def test_demo_kill_recovers_bitwise_equal(tmp_path: Path, parallel: str, nproc: int) -> None:
+    """With the hook's own reduce, with the GPT wrapped in torch DDP on the stable group, and
+    sharded with FSDP2 on a 2 x 2 HSDP mesh (rank 1 restored from rank 3, its shard's replica)."""
+    summary, context, code = run_demo(
+        tmp_path,
+        "--nproc", str(nproc),
+        "--spares", "1",
+        "--steps", "16",  # room for the kill to wait for the spare on a busy machine
+        "--kill", "1@3",
+        "--timeout", "120",
+        "--parallel", parallel,
+        timeout=280,
+    )  # fmt: skip
     assert summary["completed"], context
     assert [k["outcome"] for k in summary["kills"]] == ["killed"], context
     assert summary["verify"]["bitwise_equal"] is True, context
@@ -73,41 +77,28 @@ def test_demo_kill_recovers_bitwise_equal(tmp_path: Path, parallel: str, nproc: 
     [incident] = summary["incidents"]
     assert incident["state"] == "closed" and incident["replacement"] == "hot spare 0", context
     assert summary["ok"] is True
-    assert done.returncode == 0
+    assert code == 0
 
 
 def test_demo_node_kill_recovers_bitwise_equal(tmp_path: Path) -> None:
     """`--nodes 2 --kill-node 1@3`: 2 loopback nodes x 2 ranks and a spare node; node 1's agent
     and ranks are SIGKILLed, the spare node's two spares take its ranks together."""
-    command = [
-        sys.executable,
-        "-m",
-        "flashrecovery.cli",
-        "demo",
+    summary, context, code = run_demo(
+        tmp_path,
         "--nodes", "2",
         "--nproc", "4",
         "--steps", "16",
         "--kill-node", "1@3",
-        "--verify",
-        "--json",
-        "--run-dir", str(tmp_path / "run"),
-        "--min-step-s", "0.1",
         "--timeout", "150",
-    ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run(
-        command, capture_output=True, text=True, timeout=400, cwd=tmp_path, env=env
-    )
-    assert done.stdout.strip(), f"no summary; stderr:\n{done.stderr[-3000:]}"
-    summary = json.loads(done.stdout)
-    context = json.dumps(summary, indent=1)[:4000]
+        timeout=400,
+    )  # fmt: skip
     assert summary["ok"] is True, context
     assert summary["verify"]["bitwise_equal"] is True, context
     [incident] = summary["incidents"]
     assert incident["failed"] == "node 1 (ranks 2, 3)", context
     assert incident["replacement"] == "hot spare 0 (node 2), hot spare 1 (node 2)", context
     assert [(k["node"], k["outcome"]) for k in summary["kills"]] == [(1, "killed")], context
-    assert done.returncode == 0
+    assert code == 0
 
 
 def test_batches_and_model_are_the_same_in_every_process() -> None:
