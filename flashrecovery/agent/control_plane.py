@@ -22,6 +22,7 @@ from flashrecovery.agent.job import wait_for_agents
 from flashrecovery.agent.store import JobStore
 from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.errors import ConfigError, LogError
+from flashrecovery.observe.exporter import MetricsServer, add_metrics_port
 
 STORE_TIMEOUT = datetime.timedelta(seconds=60)
 JOB_POLL_S = 0.2  # how often it looks whether node 0's agent has started the job
@@ -35,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--job-id", default=None, metavar="ID", help="refuse a job of another id (default: any)"
     )
+    add_metrics_port(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,10 +65,18 @@ def run(args: argparse.Namespace) -> int:
             print(f"flashrecovery control-plane: error: job {job_id!r} is not {args.job_id!r}")
             return 2
         engine = EngineLoop(args.log, job_id)
+        metrics = None
+        if args.metrics_port is not None:
+            metrics = MetricsServer(
+                args.log, job_id, args.metrics_port, reader_position=lambda: engine.next_position
+            ).start()
+            print(f"metrics on {metrics.url}", file=sys.stderr, flush=True)
         try:
             engine.run()
         finally:
             engine.stop()
+            if metrics is not None:
+                metrics.stop()
     except (KeyboardInterrupt, LogError) as exc:
         print(f"flashrecovery control-plane: stopped: {exc!r}", file=sys.stderr)
         return 1

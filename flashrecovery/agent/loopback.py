@@ -45,6 +45,7 @@ class LoopbackNodes:
     agent_args: list[str] = field(default_factory=list)  # more `run` options, for every agent
     output_dir: Path | None = None  # each agent's output in node{K}.log, its children's beside
     control_plane: bool = False  # the store and engine in a process of their own
+    control_args: list[str] = field(default_factory=list)  # more `control-plane` options
     agents: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
     control: subprocess.Popen[bytes] | None = None  # the control plane's process
     port: int = field(default_factory=free_port)
@@ -57,7 +58,8 @@ class LoopbackNodes:
     def start(self) -> LoopbackNodes:
         if self.control_plane:
             command = ["control-plane", "--log", self.log_url, "--bind", self.endpoint]
-            self.control = self._popen([*command, "--job-id", self.job_id], "control-plane")
+            command += ["--job-id", self.job_id, *self.control_args]
+            self.control = self._popen(command, "control-plane")
         for node in range(self.nnodes + self.spare_nodes):
             self._launch(str(node), node)
         return self

@@ -128,7 +128,7 @@ class MetricsServer(Collector):
 
 
 def add_metrics_port(parser: argparse.ArgumentParser) -> None:
-    """The option `run` and `engine` share."""
+    """The option `run`, `engine` and `control-plane` share."""
     parser.add_argument(
         "--metrics-port",
         type=int,

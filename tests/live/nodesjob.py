@@ -38,6 +38,7 @@ def run_nodes(
     spares: int = 1,
     spare_nodes: int = 0,
     control_plane: bool = False,
+    control_args: list[str] | None = None,
     log_url: str | None = None,
     scenario: list[NodeScenario] | None = None,
     script_args: list[str] | None = None,
@@ -57,6 +58,7 @@ def run_nodes(
         spares=spares,
         spare_nodes=spare_nodes,
         control_plane=control_plane,
+        control_args=control_args or [],
         agent_args=["--heartbeat-interval", str(HEARTBEAT_S)],
         output_dir=tmp_path / "output",
     ).start()

@@ -12,6 +12,7 @@ import pytest
 import torch
 from livejob import HEARTBEAT_S, JobResult, Processes
 from nodesjob import CONTROL, committed, kill_rank, of_type, open_gate, run_nodes, signal_node, when
+from scrape import free_port, scrape, value
 
 from flashrecovery.agent.loopback import LoopbackNodes
 from flashrecovery.engine.replay import replay_job
@@ -147,12 +148,24 @@ def test_a_node_joining_later_brings_the_spare_that_takes_over(
 def test_the_control_plane_on_its_own_process(
     tmp_path: Path, nodes_reference: torch.Tensor
 ) -> None:
-    """Store and engine in `flashrecovery control-plane`; node 0's agent only starts the job."""
+    """Store and engine in `flashrecovery control-plane`; node 0's agent only starts the job;
+    the control plane serves the job's metrics."""
+    port, seen = free_port(), []
+
+    def read_metrics(known: Processes, nodes: LoopbackNodes) -> None:
+        seen.append(scrape(f"http://127.0.0.1:{port}/metrics"))
+
     job, codes = run_nodes(
-        tmp_path, control_plane=True, scenario=[when(committed(1, 8), kill_rank(1))]
+        tmp_path,
+        control_plane=True,
+        control_args=["--metrics-port", str(port)],
+        scenario=[when(committed(1, 8), kill_rank(1)), when(committed(0, 10), read_metrics)],
     )
     assert codes == {0: 0, 1: 0, CONTROL: 0}
     assert_recovered(job, nodes_reference, failed={1})
+    [samples] = seen
+    assert (value(samples, "flashrecovery_steps_committed_total") or 0) >= 8
+    assert value(samples, "flashrecovery_incidents_total", cause="rank_exited") == 1
 
 
 @pytest.mark.kafka
