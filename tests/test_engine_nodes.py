@@ -52,9 +52,9 @@ def two_nodes(spare_nodes: int = 0, node_wait_s: float = 30.0) -> tuple[EngineSt
             for n in range(nodes)
         ),
         *(RankJoined(**envelope(T0 + 1), rank=r, pid=1000 + r, host="h") for r in range(4)),
-        SpareReady(**envelope(T0 + 2), spare_id=0, pid=2000, host="h", node=0),
+        SpareReady(**envelope(T0 + 8), spare_id=0, pid=2000, host="h", node=0),
         *(
-            SpareReady(**envelope(T0 + 2), spare_id=s, pid=2000 + s, host="h", node=2)
+            SpareReady(**envelope(T0 + 8), spare_id=s, pid=2000 + s, host="h", node=2)
             for s in range(1, 1 + 2 * spare_nodes)
         ),
     ]

@@ -353,6 +353,19 @@ def test_spares_that_fail_before_they_regroup_are_no_crash_loop_of_the_rank() ->
     assert engine.state.failures[(1, 1)] == 1  # the rank's own failure, once
 
 
+def test_a_spare_not_heard_from_lately_is_passed_over() -> None:
+    """A spare stopped (SIGSTOP) shortly before a failure is not yet retired, but its last
+    heartbeat is too old: the rank gets a fresh process rather than a hung spare."""
+    log, world, engine = running(2, spares=1, steps=2)  # the spare beat with every step
+    interval = world.heartbeat_interval_s
+    kill = world.kill(1).model_copy(update={"ts": world.clock + 2.5 * interval})
+    log.append(Stream.EVENTS, kill)
+    engine.apply(log.read(Stream.EVENTS, JOB, engine.next_position))
+    types = [e.record.type for e in log.read(Stream.DECISIONS, JOB) if e.record]
+    assert types[:2] == ["isolate_rank", "spawn_replacement"]
+    assert engine.state.spares[0].status == "ready"  # still in the pool until it is retired
+
+
 def test_a_replacement_that_regroups_before_the_agent_reports_it_is_no_rejection() -> None:
     log, world, engine = running(2, spares=1, steps=2)
     decisions = drive(log, engine, world, [world.kill(1)])

@@ -7,11 +7,22 @@ from dataclasses import dataclass
 
 from flashrecovery.engine.state import EngineState
 
+FRESH_SPARE_INTERVALS = 2.0  # a spare not heard from for this many heartbeats is not handed a rank
 
-def choose_spares(state: EngineState, count: int) -> list[int]:
+
+def choose_spares(state: EngineState, count: int, now: float) -> list[int]:
     """Up to ``count`` ready spares, from the node with the most of them first (the ranks of a
-    lost node then land together), the lowest ids there (oldest, so warmed up longest)."""
-    ready = state.ready_spares()
+    lost node then land together), the lowest ids there (oldest, so warmed up longest). A spare
+    whose last heartbeat is older than FRESH_SPARE_INTERVALS at ``now`` (the deciding record's
+    time) is passed over: it may be stopped, and its silence is not yet long enough to retire
+    it; a fresh process is the safer replacement."""
+    assert state.config is not None
+    stale_after = FRESH_SPARE_INTERVALS * state.config.heartbeat_interval_s
+    ready = [
+        s
+        for s in state.ready_spares()
+        if s.last_heartbeat_ts is None or now - s.last_heartbeat_ts <= stale_after
+    ]
     per_node = Counter(s.node for s in ready)
     ready.sort(key=lambda s: (-per_node[s.node], s.node, s.spare_id))
     return [s.spare_id for s in ready[:count]]
