@@ -105,6 +105,11 @@ class JobStarted(Envelope):
     def nproc_per_node(self) -> int:
         return self.world_size // self.nodes
 
+    @property
+    def silence_limit_s(self) -> float:
+        """How long a process (rank, spare, agent) may be unheard before it counts as silent."""
+        return self.missed_heartbeats * self.heartbeat_interval_s
+
     @model_validator(mode="after")
     def _whole_nodes(self) -> JobStarted:
         if self.world_size % self.nodes:

@@ -35,7 +35,7 @@ def silent_ranks(state: EngineState, now: float) -> list[HeartbeatMissed]:
     config = state.config
     if config is None or state.job.state in (*ENDED, JobState.FALLBACK):
         return []
-    limit = config.missed_heartbeats * config.heartbeat_interval_s
+    limit = config.silence_limit_s
     found, due = [], state.silence_due
     surfaced: list[tuple[float, int]] = []
     while due and due[0][0] <= now + SLACK_S:  # only what may be due: the rest is not
@@ -84,7 +84,7 @@ def silent_nodes(state: EngineState, now: float) -> list[NodeMissed]:
         return []
     if state.rank_census[RankState.FINISHED]:
         return []
-    limit = config.missed_heartbeats * config.heartbeat_interval_s
+    limit = config.silence_limit_s
     return [
         NodeMissed(
             **_envelope(state, now),
@@ -151,7 +151,7 @@ def silent_spares(state: EngineState, now: float) -> list[SpareMissed]:
     config = state.config
     if config is None or state.job.state in ENDED:
         return []
-    limit = config.missed_heartbeats * config.heartbeat_interval_s
+    limit = config.silence_limit_s
     return [
         SpareMissed(
             **_envelope(state, now),

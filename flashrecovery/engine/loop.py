@@ -180,7 +180,7 @@ class EngineLoop:
             # may be lost or late, so silence is judged afresh, a silence limit from now.
             self._log_away = False
             config = self.state.config
-            limit = config.missed_heartbeats * config.heartbeat_interval_s if config else 0.0
+            limit = config.silence_limit_s if config else 0.0
             self._judge_silence_after = self.clock() + limit
         self.detect()
         return count

@@ -212,7 +212,7 @@ class EngineState:
         assert self.config is not None
         view, config = self.ranks[rank], self.config
         last = view.last_heartbeat_ts if view.last_heartbeat_ts is not None else config.ts
-        limit = config.missed_heartbeats * config.heartbeat_interval_s
+        limit = config.silence_limit_s
         return max(last + limit, view.grace_until_ts or 0.0)
 
     def set_waiting(self, rank: int, waiting: bool) -> None:
