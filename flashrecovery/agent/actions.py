@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import structlog
 import torch.distributed as dist
 
 from flashrecovery.agent.supervisor import Supervisor
@@ -32,6 +33,8 @@ from flashrecovery.records import (
     SpareActivated,
     SpawnReplacement,
 )
+
+log = structlog.get_logger("flashrecovery.agent")
 
 SPAWNS_PER_S = 2.0  # new processes per second, past a burst of one per rank and spare
 NODE_ACTIONS = (IsolateRank, AssignSpare, SpawnReplacement, RetireSpare)  # one node's agent acts
@@ -143,6 +146,12 @@ class Actions:
         child = self._supervisor.assign(decision.spare_id, decision.rank, decision.generation)
         if child is None:
             return  # not one of ours; the rank's regroup will time out and say so
+        if not child.runnable:
+            # Stopped since its last beat: it would hold the rank up until its silence is
+            # found. Killed now, its exit is the replacement's death: the engine places again.
+            log.warning("spare_unrunnable", spare_id=decision.spare_id, pid=child.pid)
+            self._supervisor.kill(child.pid)
+            return
         assignment = {"rank": decision.rank, "generation": decision.generation}
         self._store.set(f"spare/{decision.spare_id}", json.dumps(assignment))
         self._report(

@@ -18,7 +18,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 TERM_GRACE_S = 3.0  # SIGTERM, then SIGKILL what is still there
+UNRUNNABLE = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP, psutil.STATUS_ZOMBIE)
 
 
 @dataclass
@@ -35,6 +38,16 @@ class Child:
     @property
     def alive(self) -> bool:
         return self.popen.poll() is None
+
+    @property
+    def runnable(self) -> bool:
+        """Alive and not stopped: a SIGSTOPped spare still looks fresh to the engine for up to
+        a silence limit, but must not be handed a rank it cannot take."""
+        try:
+            status = psutil.Process(self.pid).status()
+        except psutil.NoSuchProcess:
+            return False
+        return self.alive and status not in UNRUNNABLE
 
 
 class Supervisor:

@@ -123,3 +123,32 @@ def test_a_lost_idle_spare_is_replaced_and_never_assigned(
     assert job.decisions("spawn_replacement") == []
     assert_lossless(job, reference, incidents=1)
     assert_survivors_kept(job, failed={1})
+
+
+def test_a_spare_stopped_just_before_it_is_needed_is_not_handed_the_rank(
+    tmp_path: Path, reference: torch.Tensor
+) -> None:
+    """SIGSTOP the only idle spare and kill a rank at once: its last beat is too fresh for the
+    engine to know, so the engine assigns it; the agent sees it stopped, kills it instead of
+    handing it the rank, and the rank is placed again on a runnable process."""
+    gate, args = gated(tmp_path)
+
+    def stop_spare_and_kill_rank(record: Envelope, known: Processes) -> bool:
+        if record.type == "step_completed" and 0 in known.spares:
+            os.kill(known.spares[0], signal.SIGSTOP)
+            os.kill(known.ranks[1], signal.SIGKILL)
+            gate.touch()
+            return True
+        return False
+
+    job = run_job(tmp_path, spares=1, script_args=args, scenario=[stop_spare_and_kill_rank])
+    assigned = [(a.rank, a.spare_id) for a in job.decisions("assign_spare")]
+    assert assigned[0] == (1, 0)  # fresh beats: the engine could not know
+    activated = job.records(type="spare_activated")
+    assert all(a.spare_id != 0 for a in activated)
+    [stopped_exit] = [r for r in job.records(type="rank_exited") if r.spare_id == 0]
+    assert stopped_exit.signal == signal.SIGKILL
+    taken = len(activated) + len(job.decisions("spawn_replacement"))
+    assert taken == 1  # then one runnable process took rank 1
+    assert_lossless(job, reference, incidents=1)
+    assert_survivors_kept(job, failed={1})
