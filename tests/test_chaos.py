@@ -10,8 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from factories import JOB, T0, TYPES_BY_NAME, make
 
 from flashrecovery.chaos.schedule import TWO_FAILURES, available_kinds, draw
+from flashrecovery.chaos.verdict import Sent, spare_outcome
+from flashrecovery.connectors.memory import MemoryLog
+from flashrecovery.records import Stream
 from flashrecovery.trainer_hooks.faults import FaultPlan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -104,3 +108,28 @@ def test_chaos_six_faults_all_recovered_bitwise_equal(tmp_path: Path) -> None:
     two = [r for r in rows if r["kind"] in TWO_FAILURES]
     assert all(len(r["incidents"]) == 2 for r in two), context
     assert verdict["processes_left"] == []
+
+
+@pytest.mark.parametrize(
+    ("records", "recovered", "note"),
+    [
+        ([], False, "was not retired and replaced"),
+        (["job_finished"], True, "before spare 0 was found"),
+        (["retire_spare", "job_finished"], True, "before its replacement was ready"),
+        (["retire_spare", "spare_ready", "job_finished"], True, "its replacement ready"),
+        (["spare_activated", "job_finished"], False, "was handed a rank"),
+    ],
+)
+def test_an_idle_spare_fault_is_judged_by_what_the_log_shows(
+    records: list[str], recovered: bool, note: str
+) -> None:
+    """Recovered when the lost spare was never handed a rank and either it was retired and
+    replaced, or the job ended first; otherwise not."""
+    log = MemoryLog()
+    for ts, name in enumerate(records, start=1):
+        stream = Stream.DECISIONS if name == "retire_spare" else Stream.EVENTS
+        fields = {"spare_id": 1, "pid": 2002} if name == "spare_ready" else {}
+        log.append(stream, make(TYPES_BY_NAME[name], record_id=f"r-{ts}", ts=T0 + ts, **fields))
+    sent = Sent(spare=(0, 2001, T0))
+    ok, notes, _, _ = spare_outcome(log, JOB, sent)
+    assert ok is recovered and note in notes[0]

@@ -71,13 +71,13 @@ def _records(log: LogConnector, job_id: str, nproc: int, steps: int) -> dict[str
     }
 
 
-def _spare_outcome(
+def spare_outcome(
     log: LogConnector, job_id: str, sent: Sent
 ) -> tuple[bool, list[str], float | None, float | None]:
     """An idle spare signalled: recovered when no rank was handed to it afterwards and either
     the engine retired it and a spare started in its place got ready (detection: the
-    retirement; RTO: that spare ready, from the signal) or the job ended before its silence
-    was due to be found."""
+    retirement; RTO: that spare ready, from the signal), or the job ended before its silence
+    was due to be found or before the spare started in its place was ready."""
     if sent.spare is None:
         return False, ["no idle spare to signal"], None, None
     spare_id, _, ts = sent.spare
@@ -110,6 +110,9 @@ def _spare_outcome(
             None,
             None,
         )
+    if retired is not None and ended is not None:
+        notes = [f"spare {spare_id} retired; the job ended before its replacement was ready"]
+        return True, notes, retired - ts, None
     return False, [f"spare {spare_id} was not retired and replaced"], None, None
 
 
@@ -170,7 +173,7 @@ def judge(
             recovered = False
             notes.append("the mid-incident fault was not sent")
         if fault.kind in IDLE_SPARE_SIGNAL:
-            recovered, said, detection, rto = _spare_outcome(log, job_id, action)
+            recovered, said, detection, rto = spare_outcome(log, job_id, action)
             notes += said
             rtos = [] if rto is None else [rto]
         rows.append(
