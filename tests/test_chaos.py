@@ -118,6 +118,7 @@ def test_chaos_six_faults_all_recovered_bitwise_equal(tmp_path: Path) -> None:
         (["retire_spare", "job_finished"], True, "before its replacement was ready"),
         (["retire_spare", "spare_ready", "job_finished"], True, "its replacement ready"),
         (["spare_activated", "job_finished"], False, "was handed a rank"),
+        (["rank_exited", "job_finished"], True, "the agent killed it instead"),
     ],
 )
 def test_an_idle_spare_fault_is_judged_by_what_the_log_shows(
@@ -128,7 +129,10 @@ def test_an_idle_spare_fault_is_judged_by_what_the_log_shows(
     log = MemoryLog()
     for ts, name in enumerate(records, start=1):
         stream = Stream.DECISIONS if name == "retire_spare" else Stream.EVENTS
-        fields = {"spare_id": 1, "pid": 2002} if name == "spare_ready" else {}
+        fields = {
+            "spare_ready": {"spare_id": 1, "pid": 2002},
+            "rank_exited": {"spare_id": 0, "rank": 1, "pid": 2001},
+        }.get(name, {})
         log.append(stream, make(TYPES_BY_NAME[name], record_id=f"r-{ts}", ts=T0 + ts, **fields))
     sent = Sent(spare=(0, 2001, T0))
     ok, notes, _, _ = spare_outcome(log, JOB, sent)

@@ -15,6 +15,7 @@ from flashrecovery.demo.watch import Kill
 from flashrecovery.records import (
     EngineLease,
     JobFinished,
+    RankExited,
     RetireSpare,
     SpareActivated,
     SpareReady,
@@ -74,7 +75,8 @@ def _records(log: LogConnector, job_id: str, nproc: int, steps: int) -> dict[str
 def spare_outcome(
     log: LogConnector, job_id: str, sent: Sent
 ) -> tuple[bool, list[str], float | None, float | None]:
-    """An idle spare signalled: recovered when no rank was handed to it afterwards and either
+    """An idle spare signalled: recovered when no rank was handed to it afterwards (the agent
+    kills a stopped spare it was told to assign) and either
     the engine retired it and a spare started in its place got ready (detection: the
     retirement; RTO: that spare ready, from the signal), or the job ended before its silence
     was due to be found or before the spare started in its place was ready."""
@@ -100,6 +102,17 @@ def spare_outcome(
     ended = next((r.ts for r in events if isinstance(r, JobFinished)), None)
     if used:
         return False, [f"spare {spare_id} was handed a rank after the signal"], None, None
+    refused = next(
+        (
+            r.ts
+            for r in events
+            if isinstance(r, RankExited) and r.spare_id == spare_id and r.rank is not None
+        ),
+        None,
+    )
+    if refused is not None:  # assigned before its silence was found: killed, not handed over
+        notes = [f"spare {spare_id} was assigned while stopped; the agent killed it instead"]
+        return True, notes, refused - ts, None
     if retired is not None and ready is not None:
         notes = [f"spare {spare_id} retired; RTO: its replacement ready"]
         return True, notes, retired - ts, ready - ts
