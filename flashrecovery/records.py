@@ -305,6 +305,24 @@ class StateTransferred(Envelope):
     ms: float = Field(ge=0)
 
 
+class CheckpointSaved(Envelope):
+    """Every rank's part of the checkpoint of ``step`` is durable and its completion marker is
+    written (trainer_hooks/checkpoint.py): the job can fall back to it."""
+
+    type: Literal["checkpoint_saved"] = "checkpoint_saved"
+    step: int = Field(ge=0)
+    path: str = Field(min_length=1)
+
+
+class CheckpointLoaded(Envelope):
+    """A member loaded its part of the checkpoint a fallback named (FallbackToCheckpoint)."""
+
+    type: Literal["checkpoint_loaded"] = "checkpoint_loaded"
+    rank: RankId
+    step: int = Field(ge=0)
+    ms: float = Field(ge=0)
+
+
 class RankFinished(Envelope):
     type: Literal["rank_finished"] = "rank_finished"
     rank: RankId
@@ -423,11 +441,14 @@ class ResumePlanned(Decision):
 
 
 class FallbackToCheckpoint(Decision):
-    """No healthy replica holds some shard: the job must reload its latest checkpoint."""
+    """No healthy replica holds some shard: every member loads the latest complete checkpoint
+    (``step``, at ``path``) and the job resumes after it; with none (``step`` None) it fails."""
 
     type: Literal["fallback_to_checkpoint"] = "fallback_to_checkpoint"
     reason: str
     shards: list[int]
+    step: int | None = Field(default=None, ge=0)
+    path: str | None = None
 
 
 class RetireSpare(Decision):
@@ -486,6 +507,8 @@ EventRecord = Annotated[
     | ReplacementSpawned
     | RankRegrouped
     | StateTransferred
+    | CheckpointSaved
+    | CheckpointLoaded
     | RankFinished
     | JobFinished
     | EngineLease,

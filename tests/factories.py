@@ -44,6 +44,8 @@ SAMPLE_FIELDS: dict[str, dict[str, Any]] = {
     "replacement_spawned": {"rank": 0, "pid": 3001},
     "rank_regrouped": {"rank": 0, "committed_step": 3, "pid": 1001},
     "state_transferred": {"rank": 0, "donor": 1, "bytes": 4096, "ms": 3.0},
+    "checkpoint_saved": {"step": 4, "path": "/ckpt/step-00000004-g0"},
+    "checkpoint_loaded": {"rank": 0, "step": 4, "ms": 12.0},
     "rank_finished": {"rank": 0, "step": 9},
     "job_finished": {"status": "completed"},
     "engine_lease": {"engine_id": "e1", "expires_ts": T0 + 10},

@@ -15,8 +15,11 @@ from flashrecovery.connectors.base import LogConnector
 from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.records import (
     AssignSpare,
+    CheckpointLoaded,
+    CheckpointSaved,
     Decision,
     Envelope,
+    FallbackToCheckpoint,
     Heartbeat,
     JobFinished,
     JobStarted,
@@ -47,6 +50,7 @@ class SimulatedWorld:
     spares: int = 1
     heartbeat_interval_s: float = 0.5
     step_s: float = 0.2
+    shards: int = 1  # rank r holds shard r % shards
     clock: float = 1_800_000_000.0
     generation: int = 0
     committed: int = -1
@@ -79,6 +83,7 @@ class SimulatedWorld:
                 world_size=self.world_size,
                 spares=self.spares,
                 heartbeat_interval_s=self.heartbeat_interval_s,
+                shards=self.shards,
             )
         ]
         for _ in range(self.spares):
@@ -86,7 +91,13 @@ class SimulatedWorld:
         for rank in range(self.world_size):
             self.pids[rank] = self._pid()
             out.append(
-                RankJoined(**self._env(f"rank:{rank}"), rank=rank, pid=self.pids[rank], host=HOST)
+                RankJoined(
+                    **self._env(f"rank:{rank}"),
+                    rank=rank,
+                    pid=self.pids[rank],
+                    host=HOST,
+                    shard=rank % self.shards,
+                )
             )
         return out
 
@@ -123,6 +134,11 @@ class SimulatedWorld:
             SpareHeartbeat(**env, spare_id=spare_id, pid=pid)
             for spare_id, pid in sorted(self.spare_pids.items())
         ]
+
+    def checkpoint(self) -> CheckpointSaved:
+        """Rank 0 says the checkpoint of the committed step is complete."""
+        step = self.committed
+        return CheckpointSaved(**self._env("rank:0"), step=step, path=f"/ckpt/step-{step}")
 
     def kill(self, rank: int, signal: int = 9) -> RankExited:
         return RankExited(**self._env("agent"), rank=rank, pid=self.pids[rank], signal=signal)
@@ -167,6 +183,7 @@ class SimulatedWorld:
                     rank=rank,
                     committed_step=-1 if rank in decision.replaced else self.committed,
                     pid=self.pids[rank],
+                    shard=rank % self.shards,
                 )
                 for rank in decision.members
             ]
@@ -181,6 +198,12 @@ class SimulatedWorld:
                     ms=3.0,
                 )
                 for rank in decision.recipients
+            ]
+        if isinstance(decision, FallbackToCheckpoint) and decision.step is not None:
+            self.committed = decision.step
+            return [
+                CheckpointLoaded(**self._env(f"rank:{rank}"), rank=rank, step=decision.step, ms=5.0)
+                for rank in sorted(self.pids)
             ]
         return []
 

@@ -15,6 +15,8 @@ from flashrecovery.engine.context import Context
 from flashrecovery.engine.state import EngineState, NodeView, RankView, SpareStatus, SpareView
 from flashrecovery.errors import IllegalTransition, Rejected
 from flashrecovery.records import (
+    CheckpointLoaded,
+    CheckpointSaved,
     CollectiveError,
     Decision,
     EngineLease,
@@ -53,6 +55,7 @@ FENCED_TYPES = (
     CollectiveError,
     RankRegrouped,
     StateTransferred,
+    CheckpointLoaded,
     HealthReport,
     RankFinished,
     HeartbeatMissed,
@@ -364,15 +367,31 @@ def _rank_regrouped(ctx: Context, record: RankRegrouped) -> None:
     recovery.plan_resume(ctx)
 
 
-def _state_transferred(ctx: Context, record: StateTransferred) -> None:
+def _state_transferred(ctx: Context, record: StateTransferred | CheckpointLoaded) -> None:
+    """A member holds the resume step's state: from its shard's donor, or from the checkpoint
+    a fallback named."""
     state = ctx.state
     view = state.ranks[record.rank]
     ctx.require(view.machine, Trigger.END_RESTORE, f"rank {record.rank}")
+    resume_step = recovery.current_resume_step(state)
+    if isinstance(record, CheckpointLoaded) and record.step != resume_step:
+        raise Rejected(f"rank {record.rank} loaded step {record.step}, the plan is {resume_step}")
     state.watch_from(record.rank, record.ts, view.grace_until_ts)
     state.needs_state.discard(record.rank)
-    resume_step = recovery.current_resume_step(state)
     state.set_committed(record.rank, resume_step)
     recovery.maybe_restored(ctx)
+
+
+def _checkpoint_saved(ctx: Context, record: CheckpointSaved) -> None:
+    """A complete checkpoint, whatever generation wrote it: a committed step's state is the
+    same in every timeline (a fallback recomputes the steps it rolls back)."""
+    state = ctx.state
+    if record.step > state.max_committed():
+        raise Rejected(
+            f"checkpoint of step {record.step}: no member committed past {state.max_committed()}"
+        )
+    if state.checkpoint is None or record.step >= state.checkpoint[0]:
+        state.checkpoint = (record.step, record.path)
 
 
 def _rank_finished(ctx: Context, record: RankFinished) -> None:
@@ -409,6 +428,8 @@ HANDLERS: dict[type[Envelope], Callable[[Context, Any], None]] = {
     ReplacementSpawned: _replacement_spawned,
     RankRegrouped: _rank_regrouped,
     StateTransferred: _state_transferred,
+    CheckpointLoaded: _state_transferred,
+    CheckpointSaved: _checkpoint_saved,
     RankFinished: _rank_finished,
     JobFinished: _job_finished,
 }

@@ -286,23 +286,42 @@ def plan_resume(ctx: Context) -> None:
             ctx.fire(incident.machine, Trigger.REGROUP)
     plan = planner.plan_resume(state)
     if isinstance(plan, planner.NoReplica):
+        if state.checkpoint is None:
+            ctx.emit(
+                FallbackToCheckpoint,
+                reason=f"no healthy replica holds shard(s) {plan.shards} and no complete "
+                "checkpoint exists (flashrecovery run --checkpoint-dir)",
+                shards=plan.shards,
+                incident_id=latest_incident_id(state),
+            )
+            for incident in state.open_incidents():
+                ctx.fire(incident.machine, Trigger.FALL_BACK)
+            ctx.fire(state.job, Trigger.FALL_BACK)
+            return
+        step, path = state.checkpoint
         ctx.emit(
             FallbackToCheckpoint,
             reason=f"no healthy replica holds shard(s) {plan.shards}",
             shards=plan.shards,
+            step=step,
+            path=path,
             incident_id=latest_incident_id(state),
         )
+        # A restore like any other whose every member is a recipient, from the checkpoint.
         for incident in state.open_incidents():
-            ctx.fire(incident.machine, Trigger.FALL_BACK)
-        ctx.fire(state.job, Trigger.FALL_BACK)
-        return
-    ctx.emit(
-        ResumePlanned,
-        resume_step=plan.resume_step,
-        donors=plan.donors,
-        recipients=plan.recipients,
-        incident_id=latest_incident_id(state),
-    )
+            incident.checkpoint_step = step
+        plan = planner.ResumePlan(step, {}, sorted(state.ranks))
+        for rank in plan.recipients:
+            state.needs_state.add(rank)
+            state.set_committed(rank, None)  # what it holds is dropped for the checkpoint
+    else:
+        ctx.emit(
+            ResumePlanned,
+            resume_step=plan.resume_step,
+            donors=plan.donors,
+            recipients=plan.recipients,
+            incident_id=latest_incident_id(state),
+        )
     state.resume_planned = True
     state.resume_step = plan.resume_step
     for incident in state.open_incidents():

@@ -63,6 +63,7 @@ class ReplayReport:
                     "rpo_steps": close.rpo_steps if close else None,
                     "recomputed_steps": close.recomputed_steps if close else None,
                     "resume_step": incident.resume_step,
+                    "checkpoint_step": incident.checkpoint_step,
                 }
             )
         return out

@@ -48,11 +48,13 @@ def print_replay(report: ReplayReport, console: Console | None = None) -> None:
         console.print("no incidents")
         return
     for inc in data["incidents"]:
+        fallback = inc["checkpoint_step"] is not None
+        source = " from the checkpoint, no replica being left" if fallback else ""
         console.print(
             f"[bold]{escape(inc['incident_id'])}[/]: {inc['failed']}, "
             f"{escape(inc['reason'])} "
             f"-> {inc['state']} (generation {inc['generation']}, resumed after step "
-            f"{inc['resume_step']})",
+            f"{inc['resume_step']}{source})",
             highlight=False,
         )
         phases = Table(show_header=True)

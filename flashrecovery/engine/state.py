@@ -84,6 +84,7 @@ class Incident:
     resume_step: int | None = None
     failed_ranks: list[int] = field(default_factory=list)  # failed_rank and those lost with it
     failed_node: int | None = None  # a whole node was lost
+    checkpoint_step: int | None = None  # restored from this checkpoint: no replica was left
 
     @property
     def what_failed(self) -> str:
@@ -153,6 +154,7 @@ class EngineState:
     waiting: int = 0  # ranks whose last heartbeat said they wait inside commit()
     awaiting_node: dict[int, str] = field(default_factory=dict)  # rank -> incident, no spare yet
     awaiting_node_since: float | None = None  # when the first of them began to wait
+    checkpoint: tuple[int, str] | None = None  # the latest complete checkpoint: (step, path)
 
     @property
     def world_size(self) -> int:
