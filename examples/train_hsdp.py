@@ -1,8 +1,13 @@
 """HSDP with FSDP2: the model is sharded over the mesh's "shard" dimension and replicated over
 its "replicate" dimension (2 x 2 on 4 CPU ranks with gloo). A lost rank is restored from a
-replica of its own shard, and only that shard's state moves (docs/hook.md).
+replica of its own shard, and only that shard's state moves; when every replica of a shard is
+lost, every rank loads the latest complete checkpoint and the job carries on (docs/hook.md).
+``--replicas 1`` is pure FSDP (no replica): every lost rank is a checkpoint fallback.
 
-    flashrecovery run --nproc-per-node 4 --shards 2 --spares 1 examples/train_hsdp.py
+    flashrecovery run --nproc-per-node 4 --shards 2 --spares 2 \
+        --checkpoint-dir ckpt --checkpoint-every 5 examples/train_hsdp.py
+    flashrecovery run --nproc-per-node 2 --shards 2 --spares 1 \
+        --checkpoint-dir ckpt --checkpoint-every 5 examples/train_hsdp.py --replicas 1
 """
 
 from __future__ import annotations
@@ -26,11 +31,17 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None, help="each rank's final parameters")
     parser.add_argument("--step-time", type=float, default=0.0, help="simulated compute, s")
+    parser.add_argument("--replicas", type=int, default=2, help="1: pure FSDP, no replica")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
     session = flashrecovery.init_process_group()
-    mesh = session.device_mesh((2, 2), ("replicate", "shard"))
+    shards = session.world_size // args.replicas
+    mesh = (
+        session.device_mesh((args.replicas, shards), ("replicate", "shard"))
+        if args.replicas > 1
+        else session.device_mesh((shards,), ("shard",))
+    )
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = torch.nn.Sequential(

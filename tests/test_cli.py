@@ -168,6 +168,14 @@ def test_replay_of_a_doctored_sqlite_log_fails_at_the_edit(
         (["replay", "--log", "memory://", "--job", "nope"], "no records"),
         (["replay", "--log", "sqlite://{missing}", "--job", "j"], "no log at"),
         (["events", "--log", "sqlite://{missing}"], "no log at"),
+        (
+            ["run", "--checkpoint-dir", "{missing}", "--nproc-per-node", "2", __file__],
+            "--checkpoint-dir and --checkpoint-every go together",
+        ),
+        (
+            ["run", "--checkpoint-every", "3", "--nproc-per-node", "2", __file__],
+            "--checkpoint-dir and --checkpoint-every go together",
+        ),
     ],
 )
 def test_bad_input_is_a_clear_error(

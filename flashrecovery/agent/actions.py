@@ -120,7 +120,12 @@ class Actions:
             for _ in range(self._spares - self._supervisor.idle_spares() - len(self._deferred)):
                 self._spawn(self._supervisor.spawn_spare)
         elif isinstance(decision, FallbackToCheckpoint):
-            return f"fallback to checkpoint: {decision.reason}"
+            if decision.step is None:
+                return f"fallback to checkpoint: {decision.reason}"
+            self._say(
+                f"flashrecovery: {decision.reason}: every rank loads the checkpoint of step "
+                f"{decision.step} ({decision.path})"
+            )
         elif isinstance(decision, FailJob):
             return f"{decision.reason}; last error: {decision.last_error}"
         return None

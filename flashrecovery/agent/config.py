@@ -71,6 +71,8 @@ class AgentConfig:
     spare_refill: str = "immediate"  # or "after-recovery": when a taken spare is replaced
     metrics_port: int | None = None  # serve Prometheus metrics here (0: any free port)
     shards: int = 1  # model shards: rank r holds shard r % shards (a mesh's last dimension)
+    checkpoint_dir: Path | None = None  # ranks save sharded checkpoints here (async, DCP)
+    checkpoint_every: int = 0  # after every this many committed steps
     # Nodes (docs/multinode.md): one agent per node; node 0's hosts the store and the engine.
     nnodes: int = 1
     node_rank: int | None = 0  # None: assigned at rendezvous ("auto")
@@ -115,6 +117,10 @@ class AgentConfig:
             raise ConfigError(
                 f"--shards must divide --nproc-per-node {self.nproc}, got {self.shards}"
             )
+        if (self.checkpoint_dir is None) != (self.checkpoint_every == 0):
+            raise ConfigError("--checkpoint-dir and --checkpoint-every go together")
+        if self.checkpoint_every < 0:
+            raise ConfigError(f"--checkpoint-every must be positive, got {self.checkpoint_every}")
         if self.max_incidents is not None and self.max_incidents < 1:
             raise ConfigError(f"--max-incidents must be at least 1, got {self.max_incidents}")
         if self.spare_refill not in SPARE_REFILL:

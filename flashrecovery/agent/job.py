@@ -41,6 +41,7 @@ from flashrecovery.records import (
     Stream,
 )
 from flashrecovery.trainer_hooks import barrier, final_state
+from flashrecovery.trainer_hooks.env import CHECKPOINT_DIR, CHECKPOINT_EVERY
 from flashrecovery.trainer_hooks.heartbeat import HeartbeatThread
 
 log = structlog.get_logger("flashrecovery.agent")
@@ -318,6 +319,14 @@ class Agent:
             **(
                 {final_state.ENV: str(self.config.final_state_dir.resolve())}
                 if self.config.final_state_dir
+                else {}
+            ),
+            **(
+                {
+                    CHECKPOINT_DIR: str(self.config.checkpoint_dir.resolve()),
+                    CHECKPOINT_EVERY: str(self.config.checkpoint_every),
+                }
+                if self.config.checkpoint_dir
                 else {}
             ),
             "FLASHRECOVERY_NODE": str(self.node),

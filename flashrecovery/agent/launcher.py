@@ -105,6 +105,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the ranks of one shard are its replicas (default 1: pure data parallel)",
     )
     parser.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="save asynchronous sharded checkpoints (torch.distributed.checkpoint) here; when no "
+        "replica of a shard is left, every rank loads the latest complete one and the job "
+        "carries on (needs --checkpoint-every)",
+    )
+    parser.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        metavar="K",
+        help="save a checkpoint after every K committed steps (with --checkpoint-dir)",
+    )
+    parser.add_argument(
         "--max-incidents",
         type=int,
         default=None,
@@ -208,6 +224,8 @@ def run(args: argparse.Namespace) -> int:
                 max_replacements=args.max_replacements,
                 max_incidents=args.max_incidents,
                 shards=args.shards,
+                checkpoint_dir=args.checkpoint_dir,
+                checkpoint_every=args.checkpoint_every,
                 spare_refill=args.spare_refill,
                 metrics_port=args.metrics_port,
                 nnodes=args.nnodes,

@@ -28,7 +28,13 @@ from rich.table import Table
 from rich.text import Text
 
 from flashrecovery.connectors import open_log
-from flashrecovery.demo.job import HSDP_SHARDS, PARALLEL, JobSpec, LaunchedJob
+from flashrecovery.demo.job import (
+    FSDP_CHECKPOINT_EVERY,
+    HSDP_SHARDS,
+    PARALLEL,
+    JobSpec,
+    LaunchedJob,
+)
 from flashrecovery.demo.summary import summarize
 from flashrecovery.demo.watch import JobWatch, Kill, Killer, follow
 from flashrecovery.errors import LogError
@@ -89,7 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=PARALLEL,
         default="hook",
         help="who reduces the gradients: the hook (default), torch DDP on the stable group, or "
-        f"FSDP2 HSDP on a (nproc/{HSDP_SHARDS}, {HSDP_SHARDS}) mesh",
+        f"FSDP2 HSDP on a (nproc/{HSDP_SHARDS}, {HSDP_SHARDS}) mesh, or FSDP2 over all ranks "
+        f"(fsdp: no replica, a checkpoint every {FSDP_CHECKPOINT_EVERY} steps to fall back to)",
     )
 
 
@@ -104,9 +111,11 @@ def kill_plan(args: argparse.Namespace) -> list[Kill]:
         )
     if args.nodes < 1 or args.nproc % args.nodes:
         raise ValueError(f"--nodes {args.nodes}: --nproc {args.nproc} must split evenly")
+    # pure FSDP falls back to a checkpoint: a kill comes after the first one
+    first = FSDP_CHECKPOINT_EVERY if args.parallel == "fsdp" else 1
     if not args.kill and not args.kill_node:
         rng = random.Random(args.seed)
-        step = rng.randint(max(1, args.steps // 4), max(1, 3 * args.steps // 4))
+        step = rng.randint(max(first, args.steps // 4), max(first, 3 * args.steps // 4))
         return [Kill(rng.randrange(args.nproc), step)]
     plan = [Kill.parse(spec) for spec in args.kill]
     for kill in plan:
@@ -114,6 +123,11 @@ def kill_plan(args: argparse.Namespace) -> list[Kill]:
             raise ValueError(
                 f"--kill {kill.rank}@{kill.step}: rank must be < {args.nproc} "
                 f"and step < {args.steps}"
+            )
+        if kill.step < first:
+            raise ValueError(
+                f"--kill {kill.rank}@{kill.step}: --parallel fsdp has no replica and falls back "
+                f"to its first checkpoint after step {first - 1}: kill at step {first} or later"
             )
     nodes = [Kill.parse_node(spec) for spec in args.kill_node]
     for kill in nodes:
@@ -186,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"flashrecovery demo: error: {exc}", file=sys.stderr)
         return 2
     run_dir = (args.run_dir or Path("runs") / f"demo-{stamp}").resolve()
+    checkpoint_every = FSDP_CHECKPOINT_EVERY if args.parallel == "fsdp" else 0
     log_url = args.log or f"sqlite://{run_dir / 'log.db'}"
     spec = JobSpec(
         job_id=f"demo-{stamp}-seed{args.seed}",
@@ -199,6 +214,7 @@ def run(args: argparse.Namespace) -> int:
         parallel=args.parallel,
         nodes=args.nodes,
         spare_nodes=0 if args.nodes == 1 else 1,
+        checkpoint_every=checkpoint_every,
     )
     reference = (
         JobSpec(
@@ -211,6 +227,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             parallel=args.parallel,
             nodes=args.nodes,
+            checkpoint_every=checkpoint_every,
         )
         if args.verify
         else None

@@ -25,8 +25,11 @@ if TYPE_CHECKING:  # the agent package imports torch: only a job of several node
 
 TRAIN_SCRIPT = Path(__file__).resolve().with_name("train.py")  # by path: no torch import here
 STOP_GRACE_S = 5.0
-PARALLEL = ("hook", "ddp", "hsdp")  # who reduces the gradients (train.py --parallel)
+PARALLEL = ("hook", "ddp", "hsdp", "fsdp")  # who reduces the gradients (train.py --parallel)
 HSDP_SHARDS = 2  # --parallel hsdp: a (nproc / 2, 2) mesh of replicas x shards
+# --parallel fsdp: one shard per rank, no replica, so a lost rank is restored from the latest
+# checkpoint, saved every this many steps.
+FSDP_CHECKPOINT_EVERY = 4
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class JobSpec:
     script_args: tuple[str, ...] = ()
     nodes: int = 1  # loopback nodes, nproc / nodes ranks each (spares: per node)
     spare_nodes: int = 0
+    checkpoint_every: int = 0  # > 0: checkpoints in <run_dir>/checkpoints every this many steps
 
     def command(self) -> list[str]:
         return [
@@ -66,8 +70,18 @@ class JobSpec:
 
     def run_options(self) -> list[str]:
         """The `flashrecovery run` options every agent of the job gets."""
-        shards = ["--shards", str(HSDP_SHARDS)] if self.parallel == "hsdp" else []
-        return [*shards, *self.agent_args]
+        shards = {"hsdp": ["--shards", str(HSDP_SHARDS)], "fsdp": ["--shards", str(self.nproc)]}
+        checkpoints = (
+            [
+                "--checkpoint-dir",
+                str(self.run_dir / "checkpoints"),
+                "--checkpoint-every",
+                str(self.checkpoint_every),
+            ]
+            if self.checkpoint_every
+            else []
+        )
+        return [*shards.get(self.parallel, []), *checkpoints, *self.agent_args]
 
     def script_command(self) -> list[str]:
         if self.script is not None:

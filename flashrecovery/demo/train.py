@@ -4,8 +4,9 @@ A plain loop over the trainer hook: build the model, register it, train over the
 session yields (after a recovery it resumes after the committed step), and leave the final
 parameters' digest, the losses and the step times in ``<run-dir>/rank<k>.json``. With
 ``--parallel ddp`` the model is wrapped in torch DDP over the session's stable process group
-(``hsdp``: sharded with FSDP2 over a replicas x shards mesh), which reduces the gradients, and
-the script steps its optimizer on a committed step.
+(``hsdp``: sharded with FSDP2 over a replicas x shards mesh; ``fsdp``: over all ranks, no
+replica, checkpoints on), which reduces the gradients, and the script steps its optimizer on a
+committed step.
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.parallel == "hsdp":  # a hot spare waits in here until it has a rank
         replicas = session.world_size // HSDP_SHARDS
         mesh = session.device_mesh((replicas, HSDP_SHARDS), ("replicate", "shard"))
+    elif args.parallel == "fsdp":
+        mesh = session.device_mesh((session.world_size,), ("shard",))
     elif ours:
         session.process_group()
     model, optimizer, schedule = build(args.seed)

@@ -1,4 +1,5 @@
-"""The decisions a rank follows: regroup and resume plans, and fallback, per generation.
+"""The decisions a rank follows: regroup and resume plans (from donors, or from a checkpoint
+when no replica was left), per generation, and the end of the job.
 
 A thread tails the job's decisions stream (low volume, docs/protocol.md) and keeps the plans; the
 training thread waits on them. When a plan moves the job past a generation, ``on_regroup`` runs
@@ -36,7 +37,7 @@ class DecisionFollower:
         self._on_regroup = on_regroup
         self._changed = threading.Condition()
         self._regroup: RegroupPlanned | None = None  # the newest
-        self._resumes: dict[int, ResumePlanned] = {}
+        self._resumes: dict[int, ResumePlanned | FallbackToCheckpoint] = {}
         self._fallback: FallbackToCheckpoint | None = None
         self._failed: FailJob | None = None
         self._isolated: set[int] = set()  # pids the engine fenced off
@@ -80,7 +81,10 @@ class DecisionFollower:
             elif isinstance(decision, ResumePlanned):
                 self._resumes[decision.generation] = decision
             elif isinstance(decision, FallbackToCheckpoint):
-                self._fallback = decision
+                if decision.step is None:
+                    self._fallback = decision  # no checkpoint: the job ends
+                else:
+                    self._resumes[decision.generation] = decision
             elif isinstance(decision, FailJob):
                 self._failed = decision
             elif isinstance(decision, IsolateRank) and decision.pid is not None:
@@ -118,10 +122,12 @@ class DecisionFollower:
             timeout,
         )
 
-    def wait_resume(self, generation: int, timeout: float) -> ResumePlanned | RegroupPlanned:
+    def wait_resume(
+        self, generation: int, timeout: float
+    ) -> ResumePlanned | FallbackToCheckpoint | RegroupPlanned:
         """The resume plan of ``generation``, or a newer regroup that supersedes it."""
 
-        def resume_or_newer() -> ResumePlanned | RegroupPlanned | None:
+        def resume_or_newer() -> ResumePlanned | FallbackToCheckpoint | RegroupPlanned | None:
             if generation in self._resumes:
                 return self._resumes[generation]
             if self._regroup and self._regroup.generation > generation:
@@ -129,4 +135,7 @@ class DecisionFollower:
             return None
 
         # mypy would widen the union to Decision when solving the type variable
-        return cast(ResumePlanned | RegroupPlanned, self._wait(resume_or_newer, timeout))
+        return cast(
+            ResumePlanned | FallbackToCheckpoint | RegroupPlanned,
+            self._wait(resume_or_newer, timeout),
+        )

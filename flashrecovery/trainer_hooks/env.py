@@ -11,6 +11,9 @@ from flashrecovery.errors import LaunchError
 from flashrecovery.trainer_hooks import final_state
 from flashrecovery.trainer_hooks.faults import Fault, FaultPlan
 
+CHECKPOINT_DIR = "FLASHRECOVERY_CHECKPOINT_DIR"
+CHECKPOINT_EVERY = "FLASHRECOVERY_CHECKPOINT_EVERY"
+
 
 @dataclass(frozen=True)
 class LaunchEnv:
@@ -32,6 +35,8 @@ class LaunchEnv:
     shards: int = 1  # rank r holds model shard r % shards
     node: int = 0  # the node whose agent started it (FLASHRECOVERY_NODE)
     agent_socket: str | None = None  # where heartbeats go instead of the log (agent/relay.py)
+    checkpoint_dir: Path | None = None  # where checkpoints go (trainer_hooks/checkpoint.py)
+    checkpoint_every: int = 0  # save after every this many committed steps
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> LaunchEnv:
@@ -71,6 +76,8 @@ class LaunchEnv:
                 final_state_dir=Path(env[final_state.ENV]) if env.get(final_state.ENV) else None,
                 node=int(env.get("FLASHRECOVERY_NODE", "0")),
                 agent_socket=env.get("FLASHRECOVERY_AGENT_SOCKET") or None,
+                checkpoint_dir=Path(env[CHECKPOINT_DIR]) if env.get(CHECKPOINT_DIR) else None,
+                checkpoint_every=int(env.get(CHECKPOINT_EVERY, "0")),
             )
         except ValueError as exc:
             raise LaunchError(f"bad launch environment: {exc}") from None

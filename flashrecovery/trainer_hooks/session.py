@@ -20,6 +20,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -30,8 +31,11 @@ from flashrecovery.connectors import open_log
 from flashrecovery.connectors.follow import append_through_outage
 from flashrecovery.errors import ConfigError, ProtocolError, ReplacedError
 from flashrecovery.records import (
+    CheckpointLoaded,
+    CheckpointSaved,
     CollectiveError,
     Envelope,
+    FallbackToCheckpoint,
     HealthReport,
     Heartbeat,
     RankFinished,
@@ -46,6 +50,7 @@ from flashrecovery.records import (
 )
 from flashrecovery.trainer_hooks import (
     barrier,
+    checkpoint,
     ddp,
     final_state,
     groups,
@@ -107,6 +112,17 @@ class Session:
         self._release: tuple[int, Callable[[dist.Store], object]] | None = None
         # The user's process groups (DDP, FSDP2, DeviceMesh): rebuilt under them per generation.
         self._stable = stable_group.StableGroups("cuda" if torch.cuda.is_available() else "cpu")
+        self._checkpoints = (
+            None
+            if env.checkpoint_dir is None
+            else checkpoint.Checkpointer(
+                env.checkpoint_dir,
+                env.checkpoint_every,
+                lambda: groups.connect_store(env.master_addr, env.master_port, env.store_prefix),
+                lambda step, path: self._append(CheckpointSaved, step=step, path=path),
+            )
+        )
+        self._checkpoint_due = False  # the step just committed is to be saved at its end
         self._follower = DecisionFollower(self._log, env.job_id, self._on_regroup)
         self._heartbeat = HeartbeatThread(
             self._log, env.heartbeat_interval_s, self._beat, relay=env.agent_socket
@@ -225,25 +241,32 @@ class Session:
         receives its state here and resumes its donor's epoch. Use with ``batches()``."""
         self._join()
         while self._position.epoch < total:
-            yield self._position.epoch
-            self._position.next_epoch()
+            epoch = self._position.epoch
+            yield epoch
+            if self._position.epoch == epoch:  # else a fallback took the job back to another
+                self._position.next_epoch()
 
     def batches(self, loader: Iterable[T]) -> Iterator[T]:
         """Yield the loader's batches of this epoch as steps, from the data position on: each
         batch until its step is committed, so a step aborted by a failure is recomputed with
-        the same batch. A replacement skips the batches its donor had committed."""
+        the same batch. A replacement skips the batches its donor had committed; after a
+        checkpoint fallback the loader is iterated again from the checkpoint's batch (or, from
+        an earlier epoch, this ends and ``epochs()`` yields that epoch again)."""
         self._join()
-        start = self._position.batch
-        for index, batch in enumerate(itertools.islice(loader, start, None), start):
-            while self._position.batch == index:
-                self._begin_step()
-                yield batch
-                self._end_step()
-                if self._position.batch not in (index, index + 1):
-                    raise ProtocolError(
-                        f"rank {self.rank} was restored to batch {self._position.batch} of "
-                        f"epoch {self._position.epoch} while at batch {index}"
-                    )
+        epoch = self._position.epoch
+        while True:
+            start = self._position.batch
+            for index, batch in enumerate(itertools.islice(loader, start, None), start):
+                while (self._position.epoch, self._position.batch) == (epoch, index):
+                    self._begin_step()
+                    yield batch
+                    self._end_step()
+                if (self._position.epoch, self._position.batch) != (epoch, index + 1):
+                    break  # a fallback moved the data position back
+            else:
+                return  # the epoch's last batch is committed
+            if self._position.epoch != epoch:
+                return
 
     def _join(self) -> None:
         """Take part in the job's current generation: a spare waits for its rank, a
@@ -265,7 +288,23 @@ class Session:
         step = self._committed_step + 1
         self._open_step, self._step_started = step, time.perf_counter()
         self._rng_at_step = rng.capture()
+        if self._checkpoint_due:
+            self._save_checkpoint()
         return step
+
+    def _save_checkpoint(self) -> None:
+        """Save the committed step as a replacement would receive it: the caller's optimizer
+        has stepped, and the random state and data position are the next step's, taken once
+        it fetched its batch (as in ``_restore``)."""
+        assert self._checkpoints is not None
+        self._checkpoint_due = False
+        self._checkpoints.save(
+            self._committed_step,
+            self._generation,
+            self.rank,
+            self.world_size,
+            checkpoint.stage(self._state()),
+        )
 
     def _end_step(self) -> None:
         if self._open_step is not None:
@@ -306,6 +345,7 @@ class Session:
                 self._optimizer.step()
                 self._optimizer.zero_grad(set_to_none=True)
             self._committed_step = step
+            self._checkpoint_due = self._checkpoints is not None and self._checkpoints.due(step)
             self._position.batch += 1
             self._append(
                 StepCompleted,
@@ -331,6 +371,8 @@ class Session:
                     self._recover()
             except dist.DistStoreError:
                 pass  # a member never came: nothing left to train, report what this rank holds
+            if self._checkpoints is not None:
+                self._checkpoints.close(RECOVERY_TIMEOUT_S)  # the last one completes first
             self._append(RankFinished, rank=self._rank, step=self._committed_step)
             if self._env.final_state_dir is not None and self._model is not None:
                 final_state.FinalState(
@@ -453,6 +495,9 @@ class Session:
                     if isinstance(plan, ResumePlanned):
                         self._restore(plan)
                         return
+                    if isinstance(plan, FallbackToCheckpoint):
+                        self._load_checkpoint(plan)
+                        return
             except RuntimeError as exc:  # a member failed while this generation formed
                 self._append(
                     CollectiveError, rank=self.rank, step=self._committed_step, error=str(exc)[:500]
@@ -504,6 +549,31 @@ class Session:
                 f"rank {self.rank} holds step {self._committed_step} after the restore, "
                 f"the plan resumes after {plan.resume_step}"
             )
+
+    def _load_checkpoint(self, plan: FallbackToCheckpoint) -> None:
+        """No replica was left of some shard: every member loads its own part of the
+        checkpoint the engine named, and the job resumes after its step."""
+        if self._checkpoints is None or plan.path is None:
+            raise ProtocolError("a checkpoint fallback, but this job writes no checkpoints")
+        assert self._optimizer is not None
+        started = time.perf_counter()
+        self._checkpoints.drain()  # this rank's own part in flight is not half-written
+        checkpoint.prepare_optimizer(self._optimizer)
+        state = self._state()
+        checkpoint.load(Path(plan.path), self.rank, state)
+        self._load(state)
+        self._checkpoint_due = False
+        if self._committed_step != plan.step:
+            raise ProtocolError(
+                f"rank {self.rank} loaded step {self._committed_step} from {plan.path}, the "
+                f"fallback resumes after {plan.step}"
+            )
+        self._append(
+            CheckpointLoaded,
+            rank=self.rank,
+            step=plan.step,
+            ms=round((time.perf_counter() - started) * 1000, 3),
+        )
 
     def _state(self) -> dict[str, Any]:
         assert self._model is not None and self._optimizer is not None

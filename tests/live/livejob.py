@@ -129,6 +129,7 @@ def run_job(
     spare_refill: str = "immediate",
     metrics_port: int | None = None,
     shards: int = 1,
+    checkpoint_every: int = 0,  # > 0: checkpoints in tmp_path/checkpoints
 ) -> JobResult:
     """Run the training script on ``nproc`` ranks; ``kill_at`` maps rank -> the step after whose
     commit (as the log shows it) the rank's process is SIGKILLed from outside; ``scenario``
@@ -156,6 +157,8 @@ def run_job(
             spare_refill=spare_refill,
             metrics_port=metrics_port,
             shards=shards,
+            checkpoint_dir=tmp_path / "checkpoints" if checkpoint_every else None,
+            checkpoint_every=checkpoint_every,
         )
     )
     result: dict[str, int] = {}
