@@ -367,7 +367,7 @@ def _rank_regrouped(ctx: Context, record: RankRegrouped) -> None:
     recovery.plan_resume(ctx)
 
 
-def _state_transferred(ctx: Context, record: StateTransferred | CheckpointLoaded) -> None:
+def _state_restored(ctx: Context, record: StateTransferred | CheckpointLoaded) -> None:
     """A member holds the resume step's state: from its shard's donor, or from the checkpoint
     a fallback named."""
     state = ctx.state
@@ -427,8 +427,8 @@ HANDLERS: dict[type[Envelope], Callable[[Context, Any], None]] = {
     SpareActivated: _spare_activated,
     ReplacementSpawned: _replacement_spawned,
     RankRegrouped: _rank_regrouped,
-    StateTransferred: _state_transferred,
-    CheckpointLoaded: _state_transferred,
+    StateTransferred: _state_restored,
+    CheckpointLoaded: _state_restored,
     CheckpointSaved: _checkpoint_saved,
     RankFinished: _rank_finished,
     JobFinished: _job_finished,

@@ -122,7 +122,7 @@ class Session:
                 lambda step, path: self._append(CheckpointSaved, step=step, path=path),
             )
         )
-        self._checkpoint_due = False  # the step just committed is to be saved at its end
+        self._checkpoint_due = False  # the step just committed is saved as the next begins
         self._follower = DecisionFollower(self._log, env.job_id, self._on_regroup)
         self._heartbeat = HeartbeatThread(
             self._log, env.heartbeat_interval_s, self._beat, relay=env.agent_socket

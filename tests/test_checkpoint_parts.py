@@ -1,0 +1,60 @@
+"""A checkpoint counts only once every rank's part is written: the writers of two ranks in one
+process, on a real store and real files (trainer_hooks/checkpoint.py)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from flashrecovery.errors import ProtocolError
+from flashrecovery.trainer_hooks import checkpoint
+
+
+@pytest.fixture
+def store() -> dist.Store:
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def client(master: dist.Store) -> dist.Store:
+    assert isinstance(master, dist.TCPStore)
+    return dist.TCPStore("127.0.0.1", master.port, is_master=False, wait_for_workers=False)
+
+
+def test_marker_only_once_every_part_is_written(store: dist.Store, tmp_path: Path) -> None:
+    completed: list[tuple[int, str]] = []
+    done = threading.Event()
+
+    def report(step: int, path: str) -> None:
+        completed.append((step, path))
+        done.set()
+
+    writers = [
+        checkpoint.Checkpointer(tmp_path, 2, lambda: client(store), report) for _ in range(2)
+    ]
+    states = [{"w": torch.full((3,), float(r)), "committed_step": 5} for r in range(2)]
+    path = checkpoint.step_dir(tmp_path, 5, 1)
+    writers[0].save(5, 1, 0, 2, checkpoint.stage(states[0]))
+    writers[0].drain()
+    assert not done.wait(0.2)  # rank 1's part is missing: no marker, nothing reported
+    assert not (path / checkpoint.MARKER).exists()
+    with pytest.raises(ProtocolError, match="not a complete checkpoint"):
+        checkpoint.load(path, 0, {"w": torch.zeros(3), "committed_step": -1})
+    writers[1].save(5, 1, 1, 2, checkpoint.stage(states[1]))
+    assert done.wait(30)
+    writers[0].close(30)
+    assert completed == [(5, str(path))]
+    for rank in range(2):
+        template = {"w": torch.zeros(3), "committed_step": -1}
+        checkpoint.load(path, rank, template)
+        assert torch.equal(template["w"], states[rank]["w"]) and template["committed_step"] == 5
+
+
+def test_staged_copy_is_not_changed_by_training() -> None:
+    weights = torch.zeros(2)
+    staged = checkpoint.stage({"model": {"w": weights}, "step": 3})
+    weights.add_(1.0)
+    assert torch.equal(staged["model"]["w"], torch.zeros(2)) and staged["step"] == 3
