@@ -99,7 +99,7 @@ def fallback(kills: int, every: int, tmp: Path, timeout: float) -> list[dict[str
 
             def plan_next(_: Kill | None) -> None:
                 if watch.running and not killer.pending and len(killer.plan) < kills:
-                    step = max(every, watch.committed() + GAP_STEPS)
+                    step = max(every, watch.committed()) + GAP_STEPS  # a checkpoint is complete
                     killer.plan.append(Kill(len(killer.plan) % WORLD, step))
 
             follow(

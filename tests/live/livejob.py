@@ -176,7 +176,8 @@ def run_job(
             record = entry.record
             assert record is not None, entry.error
             known.observe(record)
-            if record.type == "step_completed" and pending.get(record.rank, STEPS) <= record.step:
+            due = pending.get(getattr(record, "rank", -1))
+            if record.type == "step_completed" and due is not None and due <= record.step:
                 os.kill(known.ranks[record.rank], signal.SIGKILL)
                 killed[record.rank] = known.ranks[record.rank]
                 del pending[record.rank]
