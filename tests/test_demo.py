@@ -125,6 +125,11 @@ def test_loss_curve_flags_gaps_and_duplicates() -> None:
     assert curve["duplicates"] == {0: [1]} and curve["gaps"] == {1: [1]}
     assert curve["mean_loss"] == [2.0, 1.0]
     assert sparkline([3.0, 2.0, 1.0]) == "█▅▁"
+    # a step a checkpoint fallback rolled back is committed again, once
+    rolled = {0: [(0, 2.0), (1, 1.5), (1, 1.0)], 1: [(0, 2.0), (1, 1.5), (1, 1.0)]}
+    curve = loss_curve(rolled, 2, 2, frozenset({1}))
+    assert curve["continuous"] and curve["mean_loss"] == [2.0, 1.0]
+    assert not loss_curve({0: [(0, 2.0), (0, 2.0), (1, 1.0)]}, 1, 2, frozenset({1}))["continuous"]
 
 
 def test_summary_of_a_scripted_recovery(tmp_path: Path) -> None:

@@ -283,7 +283,10 @@ def incident_table(row: dict[str, Any]) -> Table:
         table.add_row(f"  phase: {phase.replace('_', ' ')}", _ms(seconds))
     table.add_row("RTO (exit record → every rank committed a new step)", _ms(row["rto_s"]))
     table.add_row("RTO from the SIGKILL", _ms(row["rto_from_kill_s"]))
-    table.add_row("resumed after step", str(row["resume_step"]))
+    fallback = (
+        " (from the checkpoint: no replica left)" if row["checkpoint_step"] is not None else ""
+    )
+    table.add_row("resumed after step", f"{row['resume_step']}{fallback}")
     table.add_row("committed steps lost", str(row["committed_steps_lost"]))
     table.add_row("steps recomputed", str(row["steps_recomputed"]))
     return table

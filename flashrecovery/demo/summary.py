@@ -42,20 +42,25 @@ def step_losses(log: LogConnector, job_id: str) -> StepLosses:
     return out
 
 
-def loss_curve(per_rank: StepLosses, world_size: int, steps: int) -> dict[str, Any]:
-    """Continuous means every rank committed every step exactly once: no gap, no duplicate.
-    The curve is the mean over ranks of each step's loss."""
+def loss_curve(
+    per_rank: StepLosses, world_size: int, steps: int, rolled_back: frozenset[int] = frozenset()
+) -> dict[str, Any]:
+    """Continuous means every rank committed every step exactly once (twice for a step a
+    checkpoint fallback rolled back): no gap, no duplicate. The curve is the mean over ranks
+    of each step's loss (the last commit of a step)."""
     gaps: dict[int, list[int]] = {}
     duplicates: dict[int, list[int]] = {}
     for rank in range(world_size):
         seen = [step for step, _ in per_rank.get(rank, [])]
         if missing := sorted(set(range(steps)) - set(seen)):
             gaps[rank] = missing
-        if repeated := sorted({s for s in seen if seen.count(s) > 1}):
+        allowed = {s: 2 if s in rolled_back else 1 for s in seen}
+        if repeated := sorted({s for s in seen if seen.count(s) > allowed[s]}):
             duplicates[rank] = repeated
     by_step: dict[int, list[float]] = {}
     for committed in per_rank.values():
-        for step, loss in committed:
+        last = {step: loss for step, loss in committed}  # a rolled-back step: its recomputation
+        for step, loss in last.items():
             if loss is not None:
                 by_step.setdefault(step, []).append(loss)
     mean = [round(statistics.fmean(by_step[s]), 6) for s in sorted(by_step)]
@@ -158,6 +163,7 @@ def incidents(log: LogConnector, job_id: str, kills: list[Kill], nodes: int = 1)
                 "rto_from_kill_s": _since(kill_ts, close.ts if close else None),
                 "phases_s": row["phases_s"],
                 "resume_step": row["resume_step"],
+                "checkpoint_step": row["checkpoint_step"],
                 "committed_steps_lost": row["rpo_steps"],
                 "steps_recomputed": row["recomputed_steps"],
             }
@@ -196,6 +202,12 @@ def summarize(
     }
     per_rank = step_losses(log, spec.job_id)
     rows = found["incidents"]
+    fallbacks = [r for r in rows if r["checkpoint_step"] is not None]
+    rolled_back = frozenset(
+        step
+        for r in fallbacks
+        for step in range(r["resume_step"] + 1, r["resume_step"] + 1 + r["committed_steps_lost"])
+    )
     summary: dict[str, Any] = {
         "job_id": spec.job_id,
         "log": spec.log_url,
@@ -210,11 +222,13 @@ def summarize(
         "kills": [asdict(k) for k in kills],
         **found,
         "committed_steps_lost": sum(r["committed_steps_lost"] or 0 for r in rows),
+        # what checkpoint fallbacks rolled back (no replica was left): the only loss allowed
+        "steps_rolled_back_by_fallbacks": sum(r["committed_steps_lost"] or 0 for r in fallbacks),
         "steps_recomputed": sum(r["steps_recomputed"] or 0 for r in rows),
         "pids": pids,
         "survivor_pids_unchanged": not unplanned and len(joined) == spec.nproc,
         "unplanned_pid_changes": unplanned,
-        "loss_curve": loss_curve(per_rank, spec.nproc, spec.steps),
+        "loss_curve": loss_curve(per_rank, spec.nproc, spec.steps, rolled_back),
         "timeline": str(plot_job(log, spec.job_id, spec.run_dir / "timeline.png")),
         "verify": None if reference is None else verify(log, spec, reference, per_rank),
         "commands": {
@@ -228,7 +242,7 @@ def summarize(
         and all(k.outcome == "killed" for k in kills)
         and len(rows) == len(kills)
         and all(r["state"] == "closed" for r in rows)
-        and summary["committed_steps_lost"] == 0
+        and summary["committed_steps_lost"] == summary["steps_rolled_back_by_fallbacks"]
         and summary["survivor_pids_unchanged"]
         and summary["loss_curve"]["continuous"]
         and (reference is None or summary["verify"]["bitwise_equal"])
