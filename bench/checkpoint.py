@@ -116,10 +116,10 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=4)
     parser.add_argument("--kills", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=300.0)
-    parser.add_argument("--quick", action="store_true", help="1 round of 12 steps, 1 kill")
+    parser.add_argument("--quick", action="store_true", help="1 round of 8 steps, 1 kill")
     args = parser.parse_args()
     if args.quick:
-        args.rounds, args.steps, args.kills = 1, 12, 1
+        args.rounds, args.steps, args.kills = 1, 8, 1
     console = Console()
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="flashrecovery-checkpoint-") as tmp:

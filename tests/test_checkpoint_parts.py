@@ -48,9 +48,10 @@ def test_marker_only_once_every_part_is_written(store: dist.Store, tmp_path: Pat
     writers[0].close(30)
     assert completed == [(5, str(path))]
     for rank in range(2):
-        template = {"w": torch.zeros(3), "committed_step": -1}
-        checkpoint.load(path, rank, template)
-        assert torch.equal(template["w"], states[rank]["w"]) and template["committed_step"] == 5
+        held = torch.zeros(3)
+        loaded = checkpoint.load(path, rank, {"w": held, "committed_step": -1})
+        assert loaded["w"] is held and torch.equal(held, states[rank]["w"])
+        assert loaded["committed_step"] == 5
 
 
 def test_staged_copy_is_not_changed_by_training() -> None:

@@ -3,8 +3,10 @@ fallback (docs/protocol.md, "Checkpoint fallback").
 
 Each rank writes its own part of a step's checkpoint (its DTensor local shards, its optimizer
 state, extras, random state: what the session would send a replacement, taken as the next
-step begins) with DCP into ``<dir>/step-<step>-g<generation>/rank-<r>``. The step path only
-stages a copy of the state;
+step begins) with DCP into ``<dir>/step-<step>-g<generation>/rank-<r>``. A part holds the
+DTensors' local tensors (a rank loads only its own part, into the same sharding): plain
+tensors stage, write and load several times faster than DTensors here, whose every operation
+goes through their dispatch. The step path only stages a copy of the state;
 a background thread writes it. The write takes part in no collective: one in the background
 on the user's groups would race the training thread's collectives and be torn by every
 regroup, and a part needs nothing from the peers. DCP's file writer fsyncs what it writes; the
@@ -27,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import _init_optim_state
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 from flashrecovery.errors import ProtocolError
@@ -45,11 +48,17 @@ def part_dir(path: Path, rank: int) -> Path:
     return path / f"rank-{rank:05d}"
 
 
+def _local(value: Any) -> Any:
+    """A DTensor's local tensor (the same storage), anything else as it is."""
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
 def stage(state: dict[str, Any]) -> dict[str, Any]:
-    """A copy of the state that training can no longer change (DTensors stay DTensors)."""
-    copied: dict[str, Any] = tree_map(
-        lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, state
-    )
+    """A copy of the state (DTensors as their local tensors) that training no longer changes."""
+    with torch.no_grad():
+        copied: dict[str, Any] = tree_map(
+            lambda v: _local(v).clone() if isinstance(v, torch.Tensor) else v, state
+        )
     return copied
 
 
@@ -58,12 +67,19 @@ def prepare_optimizer(optimizer: torch.optim.Optimizer) -> None:
     _init_optim_state(optimizer)
 
 
-def load(path: Path, rank: int, template: dict[str, Any]) -> None:
-    """Fill ``template`` (the rank's state as the session builds it) from its part of the
-    complete checkpoint at ``path``."""
+def load(path: Path, rank: int, state: dict[str, Any]) -> dict[str, Any]:
+    """The rank's part of the complete checkpoint at ``path``, loaded in place into the
+    tensors of ``state`` (the rank's state as the session builds it: its own tensors); the
+    other values come from the checkpoint."""
     if not (path / MARKER).is_file():
         raise ProtocolError(f"{path} has no {MARKER} marker: not a complete checkpoint")
-    dcp.load(template, checkpoint_id=str(part_dir(path, rank)), no_dist=True)
+    with torch.no_grad():
+        template: dict[str, Any] = tree_map(_local, state)  # views of the same storage
+        dcp.load(template, checkpoint_id=str(part_dir(path, rank)), no_dist=True)
+    loaded: dict[str, Any] = tree_map(
+        lambda held, read: held if isinstance(held, torch.Tensor) else read, state, template
+    )
+    return loaded
 
 
 class Checkpointer:

@@ -559,9 +559,7 @@ class Session:
         started = time.perf_counter()
         self._checkpoints.drain()  # this rank's own part in flight is not half-written
         checkpoint.prepare_optimizer(self._optimizer)
-        state = self._state()
-        checkpoint.load(Path(plan.path), self.rank, state)
-        self._load(state)
+        self._load(checkpoint.load(Path(plan.path), self.rank, self._state()))
         self._checkpoint_due = False
         if self._committed_step != plan.step:
             raise ProtocolError(
