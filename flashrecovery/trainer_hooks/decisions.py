@@ -1,8 +1,10 @@
 """The decisions a rank follows: regroup and resume plans, and fallback, per generation.
 
-A thread tails the job's decisions stream (low volume, docs/protocol.md) and keeps the plans; the
-training thread waits on them. When a plan moves the job past a generation, ``on_regroup`` runs
-at once in this thread so a training thread blocked on a vote of the old generation is released.
+A thread tails the job's decisions stream (low volume, docs/protocol.md), or on a node of a
+multi-node job takes them from its agent, which follows the stream once for the node
+(agent/links.py), and keeps the plans; the training thread waits on them. When a plan moves the
+job past a generation, ``on_regroup`` runs at once in this thread so a training thread blocked
+on a vote of the old generation is released.
 """
 
 from __future__ import annotations
@@ -25,14 +27,25 @@ from flashrecovery.records import (
     ResumePlanned,
     Stream,
 )
+from flashrecovery.trainer_hooks.agent_link import AgentLink
 
 FOLLOW_TIMEOUT_S = 0.5  # also how soon an orphaned process notices its agent is gone
 
 T = TypeVar("T")
 
 
+# What a process acts on: the only decisions an agent relays to its processes.
+PROCESS_DECISIONS = (RegroupPlanned, ResumePlanned, FallbackToCheckpoint, FailJob, IsolateRank)
+
+
 class DecisionFollower:
-    def __init__(self, log: LogConnector, job_id: str, on_regroup: Callable[[int], None]) -> None:
+    def __init__(
+        self,
+        log: LogConnector,
+        job_id: str,
+        on_regroup: Callable[[int], None],
+        link: AgentLink | None = None,
+    ) -> None:
         self._on_regroup = on_regroup
         self._changed = threading.Condition()
         self._regroup: RegroupPlanned | None = None  # the newest
@@ -42,6 +55,7 @@ class DecisionFollower:
         self._isolated: set[int] = set()  # pids the engine fenced off
         self._stop = threading.Event()
         self._cursor = StreamCursor(log, Stream.DECISIONS, job_id, stop=self._stop)
+        self._link = link  # the agent relays the decisions: the log is not read here
         self._parent = os.getppid()
         self._thread = threading.Thread(
             target=self._run, name="flashrecovery-decisions", daemon=True
@@ -66,11 +80,16 @@ class DecisionFollower:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            if os.getppid() != self._parent:
+            if os.getppid() != self._parent or (self._link is not None and self._link.closed):
                 os._exit(70)  # the agent is gone: nobody can regroup or reap us
-            for entry in self._cursor.poll(FOLLOW_TIMEOUT_S):
-                if isinstance(entry.record, Decision):
-                    self._apply(entry.record)
+            for decision in self._poll():
+                self._apply(decision)
+
+    def _poll(self) -> list[Decision]:
+        if self._link is not None:
+            return self._link.poll_decisions(FOLLOW_TIMEOUT_S)
+        entries = self._cursor.poll(FOLLOW_TIMEOUT_S)
+        return [e.record for e in entries if isinstance(e.record, Decision)]
 
     def _apply(self, decision: Decision) -> None:
         with self._changed:

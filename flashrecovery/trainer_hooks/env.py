@@ -32,6 +32,7 @@ class LaunchEnv:
     shards: int = 1  # rank r holds model shard r % shards
     node: int = 0  # the node whose agent started it (FLASHRECOVERY_NODE)
     agent_socket: str | None = None  # where heartbeats go instead of the log (agent/relay.py)
+    agent_link: str | None = None  # where the other records go instead (agent/links.py)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> LaunchEnv:
@@ -71,6 +72,7 @@ class LaunchEnv:
                 final_state_dir=Path(env[final_state.ENV]) if env.get(final_state.ENV) else None,
                 node=int(env.get("FLASHRECOVERY_NODE", "0")),
                 agent_socket=env.get("FLASHRECOVERY_AGENT_SOCKET") or None,
+                agent_link=env.get("FLASHRECOVERY_AGENT_LINK") or None,
             )
         except ValueError as exc:
             raise LaunchError(f"bad launch environment: {exc}") from None

@@ -54,6 +54,7 @@ from flashrecovery.trainer_hooks import (
     transfer,
     vote,
 )
+from flashrecovery.trainer_hooks.agent_link import AgentLink
 from flashrecovery.trainer_hooks.decisions import DecisionFollower
 from flashrecovery.trainer_hooks.env import LaunchEnv
 from flashrecovery.trainer_hooks.gradients import ReducedGradients
@@ -107,7 +108,12 @@ class Session:
         self._release: tuple[int, Callable[[dist.Store], object]] | None = None
         # The user's process groups (DDP, FSDP2, DeviceMesh): rebuilt under them per generation.
         self._stable = stable_group.StableGroups("cuda" if torch.cuda.is_available() else "cpu")
-        self._follower = DecisionFollower(self._log, env.job_id, self._on_regroup)
+        # On a node of a multi-node job the agent writes this process's records and relays the
+        # decisions (agent/links.py); the number of the last step's record, logged before the
+        # next vote.
+        self._link = AgentLink(env.agent_link) if env.agent_link else None
+        self._step_record = 0
+        self._follower = DecisionFollower(self._log, env.job_id, self._on_regroup, self._link)
         self._heartbeat = HeartbeatThread(
             self._log, env.heartbeat_interval_s, self._beat, relay=env.agent_socket
         )
@@ -307,7 +313,7 @@ class Session:
                 self._optimizer.zero_grad(set_to_none=True)
             self._committed_step = step
             self._position.batch += 1
-            self._append(
+            self._step_record = self._append(
                 StepCompleted,
                 rank=self.rank,
                 step=step,
@@ -363,6 +369,8 @@ class Session:
     def _vote(self, step: int) -> vote.Verdict:
         key = vote.vote_key(self._generation, step)
         with self._releasable(lambda store: vote.close(store, key, self.world_size)) as superseded:
+            if not self._previous_step_logged():
+                return vote.close(self._store, key, self.world_size)
             verdict = vote.cast(self._store, key, self.rank, self.world_size)
             if verdict is None and superseded:
                 verdict = vote.close(self._store, key, self.world_size)
@@ -372,6 +380,15 @@ class Session:
                 except dist.DistStoreError:  # nobody made it final in time: settle it here
                     verdict = vote.close(self._store, key, self.world_size)
         return verdict
+
+    def _previous_step_logged(self) -> bool:
+        """Whether this rank's record of its previous step is in the log, waiting for it if its
+        agent still writes it: a step commits only once every member's previous one is logged,
+        so the log never shows a member two steps ahead of another (docs/protocol.md). False
+        when a newer generation is planned (or the agent is gone) first: then no vote."""
+        if self._link is None:
+            return True  # appended before commit() returned
+        return self._link.wait_logged(self._step_record, RECOVERY_TIMEOUT_S, self._superseded)
 
     @contextlib.contextmanager
     def _releasable(self, release: Callable[[dist.Store], object]) -> Iterator[bool]:
@@ -552,10 +569,14 @@ class Session:
 
     # ------------------------------------------------------------------ records
 
-    def _append(self, cls: type[Envelope], **fields: Any) -> None:
-        """Every record but a heartbeat is part of the protocol: ride out a log outage."""
+    def _append(self, cls: type[Envelope], **fields: Any) -> int:
+        """Every record but a heartbeat is part of the protocol: ride out a log outage, or hand
+        it to the agent, which writes it (returns its number among those handed over)."""
         record = cls(**self._envelope(), **fields)
+        if self._link is not None:
+            return self._link.hand(record)
         append_through_outage(self._log, Stream.EVENTS, record, RECOVERY_TIMEOUT_S)
+        return 0
 
     def _envelope(self) -> dict[str, Any]:
         source = f"rank:{self._rank}" if self._rank is not None else f"spare:{self._env.spare_id}"
@@ -584,6 +605,8 @@ class Session:
     def _close(self) -> None:
         self._heartbeat.stop()
         self._follower.stop()
+        if self._link is not None:
+            self._link.close()
         self._drop_group()
         self._log.close()
 
