@@ -117,16 +117,12 @@ PAUSE_S = 0.3  # between decisions: the followers' polls back off as on an idle 
 
 def follower_main(log_url: str, job: str, link_path: str) -> None:
     """A rank's decisions thread (the child of --relay): prints when each regroup reaches it."""
-    link = AgentLink(link_path) if link_path else None
-    with open_log(log_url) as log:
-        follower = DecisionFollower(
-            log, job, lambda g: print(g, time.time(), flush=True), link=link
-        )
-        follower.start()
-        sys.stdin.read()  # until the bench is done
-        follower.stop()
-    if link is not None:
-        link.close()
+    source = AgentLink(link_path) if link_path else open_log(log_url)
+    follower = DecisionFollower(source, job, lambda g: print(g, time.time(), flush=True))
+    follower.start()
+    sys.stdin.read()  # until the bench is done
+    follower.stop()
+    source.close()
 
 
 def agent_relay(log: LogConnector, job: str, links: ProcessLinks, stop: threading.Event) -> None:

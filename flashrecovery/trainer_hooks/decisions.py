@@ -40,12 +40,9 @@ PROCESS_DECISIONS = (RegroupPlanned, ResumePlanned, FallbackToCheckpoint, FailJo
 
 class DecisionFollower:
     def __init__(
-        self,
-        log: LogConnector,
-        job_id: str,
-        on_regroup: Callable[[int], None],
-        link: AgentLink | None = None,
+        self, source: LogConnector | AgentLink, job_id: str, on_regroup: Callable[[int], None]
     ) -> None:
+        """``source``: the log, or the link to the agent that relays the decisions."""
         self._on_regroup = on_regroup
         self._changed = threading.Condition()
         self._regroup: RegroupPlanned | None = None  # the newest
@@ -54,8 +51,12 @@ class DecisionFollower:
         self._failed: FailJob | None = None
         self._isolated: set[int] = set()  # pids the engine fenced off
         self._stop = threading.Event()
-        self._cursor = StreamCursor(log, Stream.DECISIONS, job_id, stop=self._stop)
-        self._link = link  # the agent relays the decisions: the log is not read here
+        self._link = source if isinstance(source, AgentLink) else None
+        self._cursor = (
+            StreamCursor(source, Stream.DECISIONS, job_id, stop=self._stop)
+            if isinstance(source, LogConnector)
+            else None
+        )
         self._parent = os.getppid()
         self._thread = threading.Thread(
             target=self._run, name="flashrecovery-decisions", daemon=True
@@ -86,7 +87,8 @@ class DecisionFollower:
                 self._apply(decision)
 
     def _poll(self) -> list[Decision]:
-        if self._link is not None:
+        if self._cursor is None:
+            assert self._link is not None
             return self._link.poll_decisions(FOLLOW_TIMEOUT_S)
         entries = self._cursor.poll(FOLLOW_TIMEOUT_S)
         return [e.record for e in entries if isinstance(e.record, Decision)]
@@ -125,7 +127,7 @@ class DecisionFollower:
                     return found
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    error = self._cursor.last_error
+                    error = self._cursor.last_error if self._cursor else None
                     why = f" (the log last failed with: {error})" if error else ""
                     raise TimeoutError(f"no recovery decision within {timeout:.0f}s{why}")
                 self._changed.wait(left)

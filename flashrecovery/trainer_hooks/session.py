@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from flashrecovery.connectors import open_log
+from flashrecovery.connectors import LogConnector, open_log
 from flashrecovery.connectors.follow import append_through_outage
 from flashrecovery.errors import ConfigError, ProtocolError, ReplacedError
 from flashrecovery.records import (
@@ -81,7 +81,19 @@ class Session:
 
     def __init__(self, env: LaunchEnv) -> None:
         self._env = env
-        self._log = open_log(env.log_url)
+        # On a node of a multi-node job the process talks to its agent, not to the log: the
+        # agent writes its records (the last step's, by number, is logged before the next vote)
+        # and relays the decisions (agent/links.py); its beats go to the agent's socket.
+        self._link: AgentLink | None = None
+        self._log: LogConnector | None = None
+        decisions: LogConnector | AgentLink
+        beats: LogConnector | str
+        if env.agent_link and env.agent_socket:
+            self._link = decisions = AgentLink(env.agent_link)
+            beats = env.agent_socket
+        else:
+            self._log = decisions = beats = open_log(env.log_url)
+        self._step_record = 0
         self._store = groups.connect_store(env.master_addr, env.master_port, env.store_prefix)
         self._closer_store = groups.connect_store(
             env.master_addr, env.master_port, env.store_prefix
@@ -108,15 +120,8 @@ class Session:
         self._release: tuple[int, Callable[[dist.Store], object]] | None = None
         # The user's process groups (DDP, FSDP2, DeviceMesh): rebuilt under them per generation.
         self._stable = stable_group.StableGroups("cuda" if torch.cuda.is_available() else "cpu")
-        # On a node of a multi-node job the agent writes this process's records and relays the
-        # decisions (agent/links.py); the number of the last step's record, logged before the
-        # next vote.
-        self._link = AgentLink(env.agent_link) if env.agent_link else None
-        self._step_record = 0
-        self._follower = DecisionFollower(self._log, env.job_id, self._on_regroup, self._link)
-        self._heartbeat = HeartbeatThread(
-            self._log, env.heartbeat_interval_s, self._beat, relay=env.agent_socket
-        )
+        self._follower = DecisionFollower(decisions, env.job_id, self._on_regroup)
+        self._heartbeat = HeartbeatThread(beats, env.heartbeat_interval_s, self._beat)
         self._follower.start()
         self._heartbeat.start()
         try:
@@ -575,6 +580,7 @@ class Session:
         record = cls(**self._envelope(), **fields)
         if self._link is not None:
             return self._link.hand(record)
+        assert self._log is not None
         append_through_outage(self._log, Stream.EVENTS, record, RECOVERY_TIMEOUT_S)
         return 0
 
@@ -608,7 +614,8 @@ class Session:
         if self._link is not None:
             self._link.close()
         self._drop_group()
-        self._log.close()
+        if self._log is not None:
+            self._log.close()
 
 
 def init() -> Session:
