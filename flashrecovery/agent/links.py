@@ -45,9 +45,10 @@ from flashrecovery.records import (
 
 log = structlog.get_logger("flashrecovery.agent")
 # A step's records come from every rank of the node within moments of each other (they learn
-# the verdict together): the writer lingers this long for the rest before it writes a batch of
-# steps. Far below a step, and a rank waits for its step's record only at its next vote.
-LINGER_S = 0.005
+# the verdict together): the writer waits for the rest, at most this long, before it writes a
+# batch of steps. A rank needs its step's record in the log only at its next vote, which waits
+# for the slowest rank anyway.
+LINGER_S = 0.02
 READ_BYTES = 1 << 16
 
 
@@ -66,6 +67,7 @@ class _Link:
         self.received = 0
         self.written = 0
         self.ended = False  # the process closed its end (or died): nothing more will come
+        self.last_step = -1  # the newest step it handed over (-1: none, not training yet)
         self._out: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send, name=f"link-out-{self.pid}", daemon=True)
         self._sender.start()
@@ -165,10 +167,22 @@ class ProcessLinks:
                     self._take(link, line)
                 self._changed.notify_all()
 
+    def _step_incomplete(self) -> bool:
+        """Whether the pending records are steps, and a training rank of the node has not
+        handed over the newest of them yet (it will within moments, unless it is slow)."""
+        steps = [r.step for _, r in self._pending if isinstance(r, StepCompleted)]
+        if self._closing or len(steps) < len(self._pending):
+            return False
+        newest = max(steps)
+        return any(0 <= x.last_step < newest and not x.ended for x in self._links)
+
     def _take(self, link: _Link, line: bytes) -> None:
         link.received += 1
         try:
-            self._pending.append((link, parse_record(line, Stream.EVENTS)))
+            record = parse_record(line, Stream.EVENTS)
+            if isinstance(record, StepCompleted):
+                link.last_step = record.step
+            self._pending.append((link, record))
         except RecordError as exc:  # not ours to write; acknowledged so that nobody waits
             log.warning("a process handed a bad record", pid=link.pid, error=exc.reason)
             link.written += 1
@@ -181,10 +195,9 @@ class ProcessLinks:
                     self._changed.wait()
                 if not self._pending:
                     return
-                steps_only = all(isinstance(r, StepCompleted) for _, r in self._pending)
-            if steps_only:
-                time.sleep(LINGER_S)
-            with self._changed:
+                deadline = time.monotonic() + LINGER_S
+                while self._step_incomplete() and (left := deadline - time.monotonic()) > 0:
+                    self._changed.wait(left)
                 batch, self._pending = self._pending, []
             try:
                 append_many_through_outage(
