@@ -2,18 +2,29 @@
 to the IsolateRank decision readable by a follower (engine loop running in its own thread).
 
     python bench/decision_latency.py [--trials 20] [--kafka 127.0.0.1:9092]
+    python bench/decision_latency.py --relay [--ranks 4] [--trials 30] [--quick]
 
 Without --kafka it starts the project's own broker (flashrecovery broker) for the run.
 Writes bench/results/decision_latency.json and prints a table.
+
+With ``--relay``: from a decision written to the (embedded) log to each rank acting on it (its
+decisions thread's regroup callback, which releases a blocked vote), for ``--ranks`` follower
+processes of one node that follow the log each (single node, and multi-node before the agent
+relayed the decisions) against the same ranks taking the decisions from their agent, which
+follows the log once (agent/links.py). Rounds of the two alternate. Writes
+bench/results/decision_relay.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from contextlib import ExitStack
@@ -23,15 +34,23 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
+from flashrecovery.agent.job import FOLLOW_TIMEOUT_S as AGENT_FOLLOW_S
+from flashrecovery.agent.links import ProcessLinks
 from flashrecovery.connectors import open_log
 from flashrecovery.connectors.base import LogConnector
+from flashrecovery.connectors.follow import StreamCursor
 from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.logs import configure_logging
-from flashrecovery.records import Decision, Envelope, Stream
+from flashrecovery.records import Decision, Envelope, RegroupPlanned, Stream
+from flashrecovery.trainer_hooks.agent_link import AgentLink
+from flashrecovery.trainer_hooks.decisions import PROCESS_DECISIONS, DecisionFollower
 
 # The scripted world (no torch) lives with the tests: tests/simworld.py.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from simworld import SimulatedWorld
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import machine
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -91,12 +110,132 @@ def summarise(samples: list[float]) -> dict[str, float]:
     }
 
 
+# ---------------------------------------------------------------- --relay
+
+PAUSE_S = 0.3  # between decisions: the followers' polls back off as on an idle log
+
+
+def follower_main(log_url: str, job: str, link_path: str) -> None:
+    """A rank's decisions thread (the child of --relay): prints when each regroup reaches it."""
+    source = AgentLink(link_path) if link_path else open_log(log_url)
+    follower = DecisionFollower(source, job, lambda g: print(g, time.time(), flush=True))
+    follower.start()
+    sys.stdin.read()  # until the bench is done
+    follower.stop()
+    source.close()
+
+
+def agent_relay(log: LogConnector, job: str, links: ProcessLinks, stop: threading.Event) -> None:
+    """The decision part of the agent's loop (agent/job.py, Agent._supervise)."""
+    cursor = StreamCursor(log, Stream.DECISIONS, job, stop=stop)
+    while not stop.is_set():
+        for entry in cursor.poll(AGENT_FOLLOW_S):
+            if isinstance(entry.record, PROCESS_DECISIONS):
+                links.relay(entry.record)
+
+
+def relay_round(tmp: Path, relay: bool, ranks: int, trials: int) -> list[list[float]]:
+    """Per decision, each rank's milliseconds from its append to the rank's callback."""
+    job = f"relay-{uuid.uuid4().hex[:8]}"
+    url = f"sqlite:///{tmp}/{job}.db"
+    with ExitStack() as stack:
+        log = stack.enter_context(open_log(url))
+        link_path = ""
+        if relay:
+            directory = tmp / job
+            directory.mkdir()
+            links = ProcessLinks(directory, log, patience_s=5.0)
+            stack.callback(links.close, 5.0)
+            stop = threading.Event()
+            thread = threading.Thread(target=agent_relay, args=(log, job, links, stop))
+            thread.start()
+            stack.callback(thread.join)
+            stack.callback(stop.set)
+            link_path = links.path
+        command = [sys.executable, __file__, "--follower", url, job, link_path]
+        children = [
+            subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            for _ in range(ranks)
+        ]
+        for child in children:
+            stack.callback(child.wait, 30)
+            stack.callback(child.stdin.close)  # type: ignore[union-attr]
+
+        def decide(generation: int) -> list[float]:
+            written = time.time()
+            log.append(Stream.DECISIONS, regroup(job, generation))
+            seen = []
+            for child in children:
+                got, at = child.stdout.readline().split()  # type: ignore[union-attr]
+                assert int(got) == generation, (got, generation)
+                seen.append((float(at) - written) * 1000)
+            return seen
+
+        decide(1)  # every follower is up and has read the stream once
+        samples = []
+        for generation in range(2, trials + 2):
+            time.sleep(PAUSE_S)
+            samples.append(decide(generation))
+    return samples
+
+
+def regroup(job: str, generation: int) -> RegroupPlanned:
+    return RegroupPlanned(
+        job_id=job,
+        generation=generation,
+        source="engine",
+        caused_by=generation,
+        members=[0],
+        replaced=[],
+    )
+
+
+def relay_main(args: argparse.Namespace) -> None:
+    console = Console()
+    modes = {"each rank follows the log": False, "the agent relays": True}
+    samples: dict[str, list[list[float]]] = {mode: [] for mode in modes}
+    rounds = 1 if args.quick else 3
+    with tempfile.TemporaryDirectory(prefix="flashrecovery-relay-") as tmp:
+        for index in range(rounds):  # interleaved: the load changes between rounds
+            for mode, relay in modes.items():
+                console.print(f"round {index + 1}/{rounds}: {mode} ({args.ranks} ranks) …")
+                samples[mode] += relay_round(Path(tmp), relay, args.ranks, args.trials)
+    results: dict[str, object] = {"machine": machine(), "ranks": args.ranks}
+    table = Table(title=f"decision written → rank acts ({args.ranks} ranks of one node), ms")
+    for column in ("", "median (any rank)", "p90 (any rank)", "median (last rank)", "max"):
+        table.add_column(column, justify="right")
+    for mode, per_decision in samples.items():
+        every = summarise([ms for decision in per_decision for ms in decision])
+        last = summarise([max(decision) for decision in per_decision])
+        results[mode] = {"any_rank": every, "last_rank": last, "decisions": len(per_decision)}
+        table.add_row(
+            mode,
+            *(f"{v:.1f}" for v in (every["median_ms"], every["p90_ms"], last["median_ms"])),
+            f"{every['max_ms']:.1f}",
+        )
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "decision_relay.json").write_text(json.dumps(results, indent=2))
+    console.print(table)
+    console.print(f"load average {os.getloadavg()}")
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--follower"]:
+        follower_main(*sys.argv[2:5])
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--kafka", help="bootstrap of a running broker (default: start one)")
+    parser.add_argument("--relay", action="store_true", help="log followers vs the agent's relay")
+    parser.add_argument("--ranks", type=int, default=4, help="--relay: follower processes")
+    parser.add_argument("--quick", action="store_true", help="--relay: one round of 5")
     args = parser.parse_args()
     configure_logging()
+    if args.relay:
+        if args.quick:
+            args.trials, args.ranks = 5, 2
+        relay_main(args)
+        return
     results: dict[str, dict[str, float]] = {}
     with ExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory())

@@ -31,6 +31,7 @@ from typing import Any
 from harness import job_spec, machine, stacked_bars, table, write_json
 from rich.console import Console
 
+from flashrecovery.chain import handle_runs
 from flashrecovery.connectors import open_log
 from flashrecovery.demo.job import LaunchedJob
 from flashrecovery.demo.summary import incidents
@@ -108,11 +109,13 @@ def measure_nodes(nodes: int, tmp: Path, timeout: float) -> dict[str, Any]:
 
 def record_rate(log: Any, job_id: str, until: float | None) -> dict[str, float]:
     """Records per second into the events stream from the first committed step to ``until``."""
-    entries = [e.record for e in log.read(Stream.EVENTS, job_id) if e.record is not None]
+    stored = [e for e in log.read(Stream.EVENTS, job_id) if e.record is not None]
+    entries = [e.record for e in stored]
     start = next((r.ts for r in entries if isinstance(r, StepCompleted)), None)
     if start is None or until is None or until <= start:
         return {}
     window = [r for r in entries if start <= r.ts < until]
+    runs = handle_runs(e for e in stored if start <= e.record.ts < until)
     seconds = until - start
     by_writer = Counter(r.source.partition(":")[0] for r in window)
     beats = sum(r.type in BEAT_TYPES for r in window)
@@ -120,6 +123,7 @@ def record_rate(log: Any, job_id: str, until: float | None) -> dict[str, float]:
         "window_s": round(seconds, 3),
         "total_per_s": round(len(window) / seconds, 2),
         "heartbeat_records_per_s": round(beats / seconds, 2),
+        "write_runs_per_s": round(len(runs) / seconds, 2),  # one log handle's, consecutive
         **{f"{writer}_per_s": round(n / seconds, 2) for writer, n in by_writer.items()},
     }
 
@@ -168,6 +172,10 @@ def nodes_main(node_counts: list[int], timeout: float, console: Console) -> None
                 [
                     "  of which agents",
                     *(str(c["records"].get("agent_per_s", "-")) for c in configs),
+                ],
+                [
+                    "writes (at least: runs of one handle)",
+                    *(str(c["records"].get("write_runs_per_s", "-")) for c in configs),
                 ],
             ],
         )

@@ -232,6 +232,24 @@ def commit_runs(events: Iterable[Entry]) -> list[CommitRun]:
     return runs
 
 
+def handle_runs(entries: Iterable[Entry]) -> list[list[Entry]]:
+    """The entries in runs of consecutive positions stored through one log handle (its writer
+    token): one write or more each. A node's agent writes its ranks' records in batches
+    (agent/links.py), a rank writing its own stores them one by one. Unchained entries are
+    runs of one."""
+    runs: list[list[Entry]] = []
+    previous: tuple[int, str | None] = (-2, None)
+    for entry in entries:
+        link = entry.record.chain if entry.record is not None else None
+        handle = link.writer.partition("/")[2] if link is not None else None
+        if handle is not None and previous == (entry.position - 1, handle):
+            runs[-1].append(entry)
+        else:
+            runs.append([entry])
+        previous = (entry.position, handle)
+    return runs
+
+
 def seal(log: LogConnector, job_id: str) -> dict[str, Any]:
     """The fields of the JobFinished record that seal the job's log as it stands."""
     streams = read_streams(log, job_id)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from simworld import SimulatedWorld, drive
 
-from flashrecovery.chain import read_streams, seal, verify
+from flashrecovery.chain import handle_runs, read_streams, seal, verify
 from flashrecovery.cli import main
 from flashrecovery.connectors import LogConnector, open_log
 from flashrecovery.engine.loop import EngineLoop
@@ -174,3 +174,23 @@ def test_replay_verify_chain_reports_the_first_break(
     assert document["ok"]  # the decisions still replay: only the chain sees the edit
     assert document["chain"]["first_break"]["position"] == position
     assert document["chain"]["first_break"]["writer"] == step.chain.writer  # type: ignore[union-attr]
+
+
+def test_handle_runs_group_the_records_one_handle_stored_together(tmp_path: Path) -> None:
+    def step(rank: int, s: int) -> StepCompleted:
+        return StepCompleted(
+            job_id=JOB, generation=0, source=f"rank:{rank}", rank=rank, step=s, duration_s=0.1
+        )
+
+    with open_log(f"sqlite:///{tmp_path / 'log.db'}") as agent, open_log(agent.url) as own:
+        agent.append_many(Stream.EVENTS, [step(0, 0), step(1, 0)])  # a node's batch
+        own.append(Stream.EVENTS, step(2, 0))  # a rank writing its own
+        agent.append_many(Stream.EVENTS, [step(0, 1), step(1, 1)])
+        agent.append(Stream.EVENTS, step(3, 0))  # right after: one run, two writes
+        entries = agent.read(Stream.EVENTS, JOB)
+    runs = handle_runs(entries)
+    assert [[(e.record.rank, e.record.step) for e in run] for run in runs] == [
+        [(0, 0), (1, 0)],
+        [(2, 0)],
+        [(0, 1), (1, 1), (3, 0)],
+    ]

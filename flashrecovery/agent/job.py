@@ -21,6 +21,8 @@ import flashrecovery
 from flashrecovery.agent import rendezvous
 from flashrecovery.agent.actions import SPAWNS_PER_S, Actions, SpawnBudget
 from flashrecovery.agent.config import AgentConfig
+from flashrecovery.agent.links import ProcessLinks
+from flashrecovery.agent.nodedir import NodeDir
 from flashrecovery.agent.relay import BeatRelay
 from flashrecovery.agent.store import JobStore
 from flashrecovery.agent.supervisor import Child, Supervisor
@@ -41,6 +43,7 @@ from flashrecovery.records import (
     Stream,
 )
 from flashrecovery.trainer_hooks import barrier, final_state
+from flashrecovery.trainer_hooks.decisions import PROCESS_DECISIONS
 from flashrecovery.trainer_hooks.env import CHECKPOINT_DIR, CHECKPOINT_EVERY
 from flashrecovery.trainer_hooks.heartbeat import HeartbeatThread
 
@@ -49,6 +52,7 @@ FOLLOW_TIMEOUT_S = 0.1  # how often the agent looks at its children between deci
 NODES_DONE_WAIT_S = 10.0  # node 0 keeps the store this long for the others to see the end
 STUCK_AFTER_S = 120.0  # a rank has had no live process this long: nothing will recover it
 LOG_OUTAGE_S = 60.0  # how long a record is retried while the log is away
+LINK_DRAIN_S = 5.0  # longest wait for a process's handed-over records to reach the log
 
 
 class Interrupted(BaseException):
@@ -82,6 +86,7 @@ class Agent:
         self._generation = 0  # the newest generation a decision named
         self.metrics: MetricsServer | None = None  # serving before the first rank starts
         self._engine: EngineLoop | None = None
+        self._links: ProcessLinks | None = None  # multi-node: the node's processes' records
 
     def run(self) -> int:
         config = self.config
@@ -104,7 +109,12 @@ class Agent:
         if config.hosts_store and not config.external_engine:
             engine = EngineLoop(self.log_url, self.job_id).start()
         self._engine = engine
-        relay = BeatRelay() if config.multinode else None  # the node's beats in one record
+        # On a node of a multi-node job the processes talk to their agent, not to the log: their
+        # beats in one record, their other records in batches, the decisions relayed.
+        node_dir = NodeDir() if config.multinode else None
+        relay = BeatRelay(node_dir.path) if node_dir is not None else None
+        if node_dir is not None:
+            self._links = ProcessLinks(node_dir.path, self._log, LOG_OUTAGE_S)
         supervisor = Supervisor(
             [sys.executable, str(config.script), *config.script_args],
             self._child_env(member.store, relay),
@@ -144,6 +154,10 @@ class Agent:
                     heartbeat.stop()
                 if relay is not None:
                     relay.close()
+                if self._links is not None:
+                    self._links.close(LINK_DRAIN_S)
+                if node_dir is not None:
+                    node_dir.close()
                 if config.hosts_store:
                     wait_for_agents(member.store, len(actions.lost_nodes) + 1, outcome.status)
                 if config.starts_job:
@@ -257,6 +271,8 @@ class Agent:
             for entry in decisions.poll(FOLLOW_TIMEOUT_S):
                 if isinstance(entry.record, Decision):
                     self._generation = max(self._generation, entry.record.generation)
+                    if self._links is not None and isinstance(entry.record, PROCESS_DECISIONS):
+                        self._links.relay(entry.record)
                     reason = actions.apply(entry.record)
                     if reason is not None:
                         return Outcome("failed", 1, reason)
@@ -269,6 +285,8 @@ class Agent:
                     keys, barrier.name(self._generation, "done")
                 )
                 if done and supervisor.all_finished():
+                    if self._links is not None:
+                        self._links.flush(LINK_DRAIN_S)  # the ranks' last records before the seal
                     if not self.config.hosts_store:
                         keys.add(rendezvous.AGENTS_DONE_KEY, 1)
                     return Outcome("completed", 0)
@@ -331,10 +349,13 @@ class Agent:
             ),
             "FLASHRECOVERY_NODE": str(self.node),
             **({"FLASHRECOVERY_AGENT_SOCKET": relay.path} if relay is not None else {}),
+            **({"FLASHRECOVERY_AGENT_LINK": self._links.path} if self._links is not None else {}),
         }
 
     def _on_exit(self, child: Child, code: int) -> None:
-        """A waiter thread saw a child end: report it at once."""
+        """A waiter thread saw a child end: report it at once, after what it handed over."""
+        if self._links is not None:
+            self._links.drain(child.pid, LINK_DRAIN_S)
         self._report(
             RankExited(
                 job_id=self.job_id,

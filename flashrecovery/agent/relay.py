@@ -3,16 +3,15 @@ a local datagram socket, and the agent's own NodeHeartbeat carries the newest of
 interval. The log then takes one heartbeat record per node per interval, whatever the number
 of ranks (docs/multinode.md); the engine applies each carried beat as if it came alone.
 
-The socket lives in a directory only the user can enter, and a process only ever sends without
-waiting: a stopped agent loses its node's beats, which is what its node's loss means anyway.
+The socket lives in the agent's private directory (agent/nodedir.py), and a process only ever
+sends without waiting: a stopped agent loses its node's beats, which is what its node's loss
+means anyway.
 """
 
 from __future__ import annotations
 
 import contextlib
-import shutil
 import socket
-import tempfile
 import threading
 from pathlib import Path
 
@@ -26,9 +25,8 @@ class BeatRelay:
     """The agent's end: ``path`` goes to its processes (FLASHRECOVERY_AGENT_SOCKET); ``take()``
     returns the newest beat of each process since the last call."""
 
-    def __init__(self) -> None:
-        self._dir = Path(tempfile.mkdtemp(prefix="flashrecovery-node-"))  # mode 0700
-        self.path = str(self._dir / "beats.sock")
+    def __init__(self, directory: Path) -> None:
+        self.path = str(directory / "beats.sock")
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._socket.bind(self.path)
         self._lock = threading.Lock()
@@ -59,4 +57,3 @@ class BeatRelay:
             self._socket.shutdown(socket.SHUT_RDWR)
         self._socket.close()
         self._thread.join(1.0)
-        shutil.rmtree(self._dir, ignore_errors=True)

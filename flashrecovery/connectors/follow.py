@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import structlog
 
@@ -20,6 +21,7 @@ from flashrecovery.errors import LogError
 from flashrecovery.records import Envelope, Stream
 
 log = structlog.get_logger("flashrecovery.log")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -100,11 +102,28 @@ def append_through_outage(
     ``patience_s``: what a writer that must not lose a record does. Safe to retry: a refused
     append stored nothing (every backend settles an append before it answers), so the record
     is stored once. Raises the last LogError when patience runs out."""
+    return _through_outage(lambda: connector.append(stream, record), patience_s, retry)
+
+
+def append_many_through_outage(
+    connector: LogConnector,
+    stream: Stream,
+    records: Sequence[Envelope],
+    patience_s: float,
+    retry: RetryPolicy = RETRY,
+) -> list[int]:
+    """``append_through_outage`` for one batch (``LogConnector.append_many``). A backend that
+    stores a batch record by record (Kafka) may have stored part of a refused batch: that part
+    is stored twice, and the engine rejects a record repeated (a step committed twice)."""
+    return _through_outage(lambda: connector.append_many(stream, records), patience_s, retry)
+
+
+def _through_outage(append: Callable[[], T], patience_s: float, retry: RetryPolicy) -> T:
     deadline = time.monotonic() + patience_s
     delay = 0.0
     while True:
         try:
-            return connector.append(stream, record)
+            return append()
         except LogError as exc:
             delay = retry.next_delay(delay)
             if time.monotonic() + delay > deadline:

@@ -91,7 +91,7 @@ class Checkpointer:
         root: Path,
         every: int,
         store: Callable[[], dist.Store],
-        completed: Callable[[int, str], None],
+        completed: Callable[[int, str], object],
     ) -> None:
         self.root, self.every = root, every
         self._store = store  # a new client per writer thread: a store client is not shared

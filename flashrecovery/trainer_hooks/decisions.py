@@ -1,9 +1,11 @@
 """The decisions a rank follows: regroup and resume plans (from donors, or from a checkpoint
 when no replica was left), per generation, and the end of the job.
 
-A thread tails the job's decisions stream (low volume, docs/protocol.md) and keeps the plans; the
-training thread waits on them. When a plan moves the job past a generation, ``on_regroup`` runs
-at once in this thread so a training thread blocked on a vote of the old generation is released.
+A thread tails the job's decisions stream (low volume, docs/protocol.md), or on a node of a
+multi-node job takes them from its agent, which follows the stream once for the node
+(agent/links.py), and keeps the plans; the training thread waits on them. When a plan moves the
+job past a generation, ``on_regroup`` runs at once in this thread so a training thread blocked
+on a vote of the old generation is released.
 """
 
 from __future__ import annotations
@@ -26,14 +28,22 @@ from flashrecovery.records import (
     ResumePlanned,
     Stream,
 )
+from flashrecovery.trainer_hooks.agent_link import AgentLink
 
 FOLLOW_TIMEOUT_S = 0.5  # also how soon an orphaned process notices its agent is gone
 
 T = TypeVar("T")
 
 
+# What a process acts on: the only decisions an agent relays to its processes.
+PROCESS_DECISIONS = (RegroupPlanned, ResumePlanned, FallbackToCheckpoint, FailJob, IsolateRank)
+
+
 class DecisionFollower:
-    def __init__(self, log: LogConnector, job_id: str, on_regroup: Callable[[int], None]) -> None:
+    def __init__(
+        self, source: LogConnector | AgentLink, job_id: str, on_regroup: Callable[[int], None]
+    ) -> None:
+        """``source``: the log, or the link to the agent that relays the decisions."""
         self._on_regroup = on_regroup
         self._changed = threading.Condition()
         self._regroup: RegroupPlanned | None = None  # the newest
@@ -42,7 +52,12 @@ class DecisionFollower:
         self._failed: FailJob | None = None
         self._isolated: set[int] = set()  # pids the engine fenced off
         self._stop = threading.Event()
-        self._cursor = StreamCursor(log, Stream.DECISIONS, job_id, stop=self._stop)
+        self._link = source if isinstance(source, AgentLink) else None
+        self._cursor = (
+            StreamCursor(source, Stream.DECISIONS, job_id, stop=self._stop)
+            if isinstance(source, LogConnector)
+            else None
+        )
         self._parent = os.getppid()
         self._thread = threading.Thread(
             target=self._run, name="flashrecovery-decisions", daemon=True
@@ -67,11 +82,17 @@ class DecisionFollower:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            if os.getppid() != self._parent:
+            if os.getppid() != self._parent or (self._link is not None and self._link.closed):
                 os._exit(70)  # the agent is gone: nobody can regroup or reap us
-            for entry in self._cursor.poll(FOLLOW_TIMEOUT_S):
-                if isinstance(entry.record, Decision):
-                    self._apply(entry.record)
+            for decision in self._poll():
+                self._apply(decision)
+
+    def _poll(self) -> list[Decision]:
+        if self._cursor is None:
+            assert self._link is not None
+            return self._link.poll_decisions(FOLLOW_TIMEOUT_S)
+        entries = self._cursor.poll(FOLLOW_TIMEOUT_S)
+        return [e.record for e in entries if isinstance(e.record, Decision)]
 
     def _apply(self, decision: Decision) -> None:
         with self._changed:
@@ -110,7 +131,7 @@ class DecisionFollower:
                     return found
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    error = self._cursor.last_error
+                    error = self._cursor.last_error if self._cursor else None
                     why = f" (the log last failed with: {error})" if error else ""
                     raise TimeoutError(f"no recovery decision within {timeout:.0f}s{why}")
                 self._changed.wait(left)

@@ -37,6 +37,7 @@ class LaunchEnv:
     agent_socket: str | None = None  # where heartbeats go instead of the log (agent/relay.py)
     checkpoint_dir: Path | None = None  # where checkpoints go (trainer_hooks/checkpoint.py)
     checkpoint_every: int = 0  # save after every this many committed steps
+    agent_link: str | None = None  # where the other records go instead (agent/links.py)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> LaunchEnv:
@@ -78,6 +79,7 @@ class LaunchEnv:
                 agent_socket=env.get("FLASHRECOVERY_AGENT_SOCKET") or None,
                 checkpoint_dir=Path(env[CHECKPOINT_DIR]) if env.get(CHECKPOINT_DIR) else None,
                 checkpoint_every=int(env.get(CHECKPOINT_EVERY, "0")),
+                agent_link=env.get("FLASHRECOVERY_AGENT_LINK") or None,
             )
         except ValueError as exc:
             raise LaunchError(f"bad launch environment: {exc}") from None

@@ -15,17 +15,14 @@ from flashrecovery.records import Envelope, Stream, dump_record
 
 class HeartbeatThread:
     def __init__(
-        self,
-        log: LogConnector,
-        interval_s: float,
-        beat: Callable[[], Envelope | None],
-        relay: str | None = None,
+        self, to: LogConnector | str, interval_s: float, beat: Callable[[], Envelope | None]
     ) -> None:
-        self._log = log
-        # On a node of a multi-node job the beats go to the agent's socket (agent/relay.py),
-        # which carries them in its own record; never blocking, so a stopped agent costs nothing.
-        self._relay = relay
-        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) if relay else None
+        """``to``: the log, or on a node of a multi-node job the path of the agent's socket
+        (agent/relay.py), whose record carries the beats; never blocking, so a stopped agent
+        costs nothing."""
+        self._log = to if isinstance(to, LogConnector) else None
+        self._relay = to if isinstance(to, str) else None
+        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) if self._relay else None
         if self._socket is not None:
             self._socket.setblocking(False)
         self._interval_s = interval_s
@@ -53,7 +50,7 @@ class HeartbeatThread:
                 if self._socket is not None and self._relay is not None:
                     with contextlib.suppress(OSError):
                         self._socket.sendto(dump_record(record), self._relay)
-                else:
+                elif self._log is not None:
                     with contextlib.suppress(LogError):
                         self._log.append(Stream.EVENTS, record)
             if self._stop.wait(self._interval_s):

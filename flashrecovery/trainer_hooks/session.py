@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from flashrecovery.connectors import open_log
+from flashrecovery.connectors import LogConnector, open_log
 from flashrecovery.connectors.follow import append_through_outage
 from flashrecovery.errors import ConfigError, ProtocolError, ReplacedError
 from flashrecovery.records import (
@@ -59,6 +59,7 @@ from flashrecovery.trainer_hooks import (
     transfer,
     vote,
 )
+from flashrecovery.trainer_hooks.agent_link import AgentLink
 from flashrecovery.trainer_hooks.decisions import DecisionFollower
 from flashrecovery.trainer_hooks.env import LaunchEnv
 from flashrecovery.trainer_hooks.gradients import ReducedGradients
@@ -85,7 +86,19 @@ class Session:
 
     def __init__(self, env: LaunchEnv) -> None:
         self._env = env
-        self._log = open_log(env.log_url)
+        # On a node of a multi-node job the process talks to its agent, not to the log: the
+        # agent writes its records (the last step's, by number, is logged before the next vote)
+        # and relays the decisions (agent/links.py); its beats go to the agent's socket.
+        self._link: AgentLink | None = None
+        self._log: LogConnector | None = None
+        decisions: LogConnector | AgentLink
+        beats: LogConnector | str
+        if env.agent_link and env.agent_socket:
+            self._link = decisions = AgentLink(env.agent_link)
+            beats = env.agent_socket
+        else:
+            self._log = decisions = beats = open_log(env.log_url)
+        self._step_record = 0
         self._store = groups.connect_store(env.master_addr, env.master_port, env.store_prefix)
         self._closer_store = groups.connect_store(
             env.master_addr, env.master_port, env.store_prefix
@@ -123,10 +136,8 @@ class Session:
             )
         )
         self._checkpoint_due = False  # the step just committed is saved as the next begins
-        self._follower = DecisionFollower(self._log, env.job_id, self._on_regroup)
-        self._heartbeat = HeartbeatThread(
-            self._log, env.heartbeat_interval_s, self._beat, relay=env.agent_socket
-        )
+        self._follower = DecisionFollower(decisions, env.job_id, self._on_regroup)
+        self._heartbeat = HeartbeatThread(beats, env.heartbeat_interval_s, self._beat)
         self._follower.start()
         self._heartbeat.start()
         try:
@@ -347,7 +358,7 @@ class Session:
             self._committed_step = step
             self._checkpoint_due = self._checkpoints is not None and self._checkpoints.due(step)
             self._position.batch += 1
-            self._append(
+            self._step_record = self._append(
                 StepCompleted,
                 rank=self.rank,
                 step=step,
@@ -405,6 +416,8 @@ class Session:
     def _vote(self, step: int) -> vote.Verdict:
         key = vote.vote_key(self._generation, step)
         with self._releasable(lambda store: vote.close(store, key, self.world_size)) as superseded:
+            if not self._previous_step_logged():
+                return vote.close(self._store, key, self.world_size)
             verdict = vote.cast(self._store, key, self.rank, self.world_size)
             if verdict is None and superseded:
                 verdict = vote.close(self._store, key, self.world_size)
@@ -414,6 +427,15 @@ class Session:
                 except dist.DistStoreError:  # nobody made it final in time: settle it here
                     verdict = vote.close(self._store, key, self.world_size)
         return verdict
+
+    def _previous_step_logged(self) -> bool:
+        """Whether this rank's record of its previous step is in the log, waiting for it if its
+        agent still writes it: a step commits only once every member's previous one is logged,
+        so the log never shows a member two steps ahead of another (docs/protocol.md). False
+        when a newer generation is planned (or the agent is gone) first: then no vote."""
+        if self._link is None:
+            return True  # appended before commit() returned
+        return self._link.wait_logged(self._step_record, RECOVERY_TIMEOUT_S, self._superseded)
 
     @contextlib.contextmanager
     def _releasable(self, release: Callable[[dist.Store], object]) -> Iterator[bool]:
@@ -620,10 +642,15 @@ class Session:
 
     # ------------------------------------------------------------------ records
 
-    def _append(self, cls: type[Envelope], **fields: Any) -> None:
-        """Every record but a heartbeat is part of the protocol: ride out a log outage."""
+    def _append(self, cls: type[Envelope], **fields: Any) -> int:
+        """Every record but a heartbeat is part of the protocol: ride out a log outage, or hand
+        it to the agent, which writes it (returns its number among those handed over)."""
         record = cls(**self._envelope(), **fields)
+        if self._link is not None:
+            return self._link.hand(record)
+        assert self._log is not None
         append_through_outage(self._log, Stream.EVENTS, record, RECOVERY_TIMEOUT_S)
+        return 0
 
     def _envelope(self) -> dict[str, Any]:
         source = f"rank:{self._rank}" if self._rank is not None else f"spare:{self._env.spare_id}"
@@ -652,8 +679,11 @@ class Session:
     def _close(self) -> None:
         self._heartbeat.stop()
         self._follower.stop()
+        if self._link is not None:
+            self._link.close()
         self._drop_group()
-        self._log.close()
+        if self._log is not None:
+            self._log.close()
 
 
 def init() -> Session:

@@ -10,13 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from livejob import HEARTBEAT_S, JobResult, Processes
+from livejob import HEARTBEAT_S, STEPS, JobResult, Processes
 from nodesjob import CONTROL, committed, kill_rank, of_type, open_gate, run_nodes, signal_node, when
 from scrape import free_port, scrape, value
 
 from flashrecovery.agent.loopback import LoopbackNodes
+from flashrecovery.chain import handle_runs
 from flashrecovery.engine.replay import replay_job
-from flashrecovery.records import SpareReady
+from flashrecovery.records import SpareReady, Stream
 
 pytestmark = pytest.mark.timeout(300)
 WORLD = 4  # 2 nodes x 2 ranks
@@ -200,3 +201,36 @@ def test_losing_the_control_plane_ends_the_job_in_one_line(tmp_path: Path) -> No
         assert "store at 127.0.0.1:" in said and "is unreachable, its host is lost" in said
     [finished] = job.records(type="job_finished")
     assert finished.status == "failed" and "unreachable" in finished.detail
+
+
+def test_records_scale_with_nodes_two_nodes_of_four_ranks(tmp_path: Path) -> None:
+    """The ranks talk to their agents, not to the log: one heartbeat record per node per
+    interval, and the steps written by the agents in batches, none lost, every rank's in
+    order; replay still sees each rank's steps."""
+    job, codes = run_nodes(tmp_path, nproc=4, spares=0)
+    assert codes == {0: 0, 1: 0}
+    world = range(8)
+    reference = job.final(0)["params"]
+    assert all(torch.equal(job.final(rank)["params"], reference) for rank in world)
+    # Heartbeats: O(nodes) records per interval, whatever the ranks per node.
+    assert job.records(type="heartbeat") == []
+    node_beats = job.records(type="node_heartbeat")
+    span = node_beats[-1].ts - node_beats[0].ts
+    assert len(node_beats) <= 2 * (span / HEARTBEAT_S + 2)
+    # Steps: every rank's, in order, each written through its node's agent (one log handle,
+    # one chain token, per node), several ranks' records in one write.
+    entries = [
+        e for e in job.log.read(Stream.EVENTS, job.job_id) if e.record.type == "step_completed"
+    ]
+    for rank in world:
+        assert [e.record.step for e in entries if e.record.rank == rank] == list(range(STEPS))
+    handle = {e.record.rank: e.record.chain.writer.split("/")[1] for e in entries}
+    assert len({handle[r] for r in range(4)}) == len({handle[r] for r in range(4, 8)}) == 1
+    assert handle[0] != handle[4]
+    runs = handle_runs(entries)
+    assert len(runs) < len(entries) / 2, f"{len(entries)} step records in {len(runs)} writes"
+    assert max(len({e.record.rank for e in run}) for run in runs) >= 3
+    finished = job.records(type="rank_finished")
+    assert sorted(r.rank for r in finished) == list(world)
+    report = replay_job(job.log, job.job_id)
+    assert report.ok, report.divergence and report.divergence.describe()

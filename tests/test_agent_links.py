@@ -1,0 +1,202 @@
+"""A node's processes and their agent (agent/links.py, trainer_hooks/agent_link.py,
+agent/nodedir.py): real sockets, a real sqlite log, real processes killed with real signals."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from flashrecovery.agent.links import ProcessLinks
+from flashrecovery.agent.nodedir import NodeDir, remove_stale
+from flashrecovery.connectors import LogConnector, open_log
+from flashrecovery.records import RegroupPlanned, StepCompleted, Stream
+from flashrecovery.trainer_hooks.agent_link import AgentLink
+
+JOB = "links"
+WAIT_S = 10.0
+
+
+def step(rank: int, step: int) -> StepCompleted:
+    return StepCompleted(
+        job_id=JOB, generation=0, source=f"rank:{rank}", rank=rank, step=step, duration_s=0.1
+    )
+
+
+def regroup(generation: int) -> RegroupPlanned:
+    return RegroupPlanned(
+        job_id=JOB,
+        generation=generation,
+        source="engine",
+        record_id=f"d{generation}",
+        ts=1_800_000_000.0 + generation,
+        caused_by=generation,
+        members=[0, 1],
+        replaced=[1],
+    )
+
+
+@pytest.fixture
+def log(tmp_path: Path) -> Iterator[LogConnector]:
+    with open_log(f"sqlite:///{tmp_path / 'log.db'}") as connector:
+        yield connector
+
+
+@pytest.fixture
+def links(tmp_path: Path, log: LogConnector) -> Iterator[ProcessLinks]:
+    directory = tmp_path / "node"
+    directory.mkdir()
+    links = ProcessLinks(directory, log, patience_s=5.0)
+    yield links
+    links.close(5.0)
+
+
+def steps_in(log: LogConnector) -> list[tuple[int, int]]:
+    return [
+        (e.record.rank, e.record.step)
+        for e in log.read(Stream.EVENTS, JOB)
+        if isinstance(e.record, StepCompleted)
+    ]
+
+
+def test_records_handed_over_are_written_in_batches_in_order_and_acknowledged(
+    links: ProcessLinks, log: LogConnector
+) -> None:
+    ranks = [AgentLink(links.path) for _ in range(4)]
+    try:
+        for s in range(5):
+            numbers = [link.hand(step(rank, s)) for rank, link in enumerate(ranks)]
+            for link, number in zip(ranks, numbers, strict=True):
+                assert link.wait_logged(number, WAIT_S, lambda: False)
+    finally:
+        for link in ranks:
+            link.close()
+    written = steps_in(log)
+    assert sorted(written) == [(r, s) for r in range(4) for s in range(5)]
+    for rank in range(4):  # each process's records in the order it handed them over
+        assert [s for r, s in written if r == rank] == list(range(5))
+    assert links.batches < len(written)  # a step's records of several ranks in one write
+
+
+def test_a_process_killed_right_after_handing_over_still_has_its_records_logged(
+    links: ProcessLinks, log: LogConnector
+) -> None:
+    child = textwrap.dedent(
+        f"""
+        import os, signal
+        from flashrecovery.records import StepCompleted
+        from flashrecovery.trainer_hooks.agent_link import AgentLink
+        link = AgentLink({links.path!r})
+        for s in range(50):
+            link.hand(StepCompleted(job_id={JOB!r}, generation=0, source="rank:1", rank=1,
+                                    step=s, duration_s=0.1))
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    process = subprocess.Popen([sys.executable, "-c", child])
+    assert process.wait(60) == -signal.SIGKILL
+    assert links.drain(process.pid, WAIT_S)  # what the agent does before reporting the exit
+    assert steps_in(log) == [(1, s) for s in range(50)]
+
+
+def test_a_dead_process_is_drained_even_while_a_forked_child_holds_its_connection(
+    links: ProcessLinks, log: LogConnector
+) -> None:
+    """A DataLoader worker forked by a rank keeps a copy of its connection open after the rank
+    died: its exit must not be reported late for it."""
+    child = textwrap.dedent(
+        f"""
+        import os, signal, time
+        from flashrecovery.records import StepCompleted
+        from flashrecovery.trainer_hooks.agent_link import AgentLink
+        link = AgentLink({links.path!r})
+        link.hand(StepCompleted(job_id={JOB!r}, generation=0, source="rank:2", rank=2, step=0,
+                                duration_s=0.1))
+        if os.fork() == 0:
+            time.sleep(60)
+            os._exit(0)
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    process = subprocess.Popen([sys.executable, "-c", child], start_new_session=True)
+    try:
+        assert process.wait(60) == -signal.SIGKILL
+        started = time.monotonic()
+        assert links.drain(process.pid, WAIT_S)
+        assert time.monotonic() - started < WAIT_S / 2
+        assert steps_in(log) == [(2, 0)]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)  # the forked child
+
+
+def test_decisions_reach_every_process_even_one_that_connects_later(links: ProcessLinks) -> None:
+    early = AgentLink(links.path)
+    try:
+        links.relay(regroup(1))
+        assert early.poll_decisions(WAIT_S) == [regroup(1)]
+        late = AgentLink(links.path)
+        try:
+            assert late.poll_decisions(WAIT_S) == [regroup(1)]  # what came before it joined
+            links.relay(regroup(2))
+            assert early.poll_decisions(WAIT_S) == [regroup(2)]
+            assert late.poll_decisions(WAIT_S) == [regroup(2)]
+        finally:
+            late.close()
+    finally:
+        early.close()
+
+
+def test_a_process_learns_that_its_agent_is_gone(tmp_path: Path, log: LogConnector) -> None:
+    links = ProcessLinks(tmp_path, log, patience_s=5.0)
+    link = AgentLink(links.path)
+    try:
+        number = link.hand(step(0, 0))
+        assert link.wait_logged(number, WAIT_S, lambda: False)
+        links.close(0.5)  # its process still connected: the agent waits that long for its end
+        assert link.poll_decisions(WAIT_S) == []
+        assert link.closed
+        # a wait for a record the agent never wrote gives up rather than hang
+        assert not link.wait_logged(number + 1, WAIT_S, lambda: False)
+    finally:
+        link.close()
+
+
+def test_a_wait_for_the_log_gives_up_when_told(links: ProcessLinks) -> None:
+    link = AgentLink(links.path)
+    try:
+        assert not link.wait_logged(1, WAIT_S, lambda: True)  # nothing handed: never logged
+    finally:
+        link.close()
+
+
+def test_a_killed_agents_node_directory_is_removed_by_the_next_agent() -> None:
+    child = "from flashrecovery.agent.nodedir import NodeDir; print(NodeDir().path, flush=True)"
+    process = subprocess.Popen(
+        [sys.executable, "-c", f"{child}; import time; time.sleep(60)"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None
+    stale = Path(process.stdout.readline().strip())
+    assert stale.is_dir() and oct(stale.stat().st_mode & 0o777) == "0o700"
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait(10)
+    process.stdout.close()
+    assert stale.is_dir()  # nothing removed it
+    node_dir = NodeDir()
+    try:
+        assert not stale.exists()
+        assert node_dir.path.is_dir()
+        assert node_dir.path not in remove_stale(node_dir.path.parent)  # a live agent's stays
+    finally:
+        node_dir.close()
+    assert not node_dir.path.exists()
