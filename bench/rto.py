@@ -51,9 +51,20 @@ BEAT_TYPES = (
 )  # proofs of life, any writer  # the engine's "detected" phase is the exit record itself
 
 
-def measure(world: int, mode: str, kills: int, seed: int, tmp: Path, timeout: float) -> list[Any]:
-    """Kill ``kills`` ranks of one job, one at a time; the closed incidents' rows."""
+def measure(
+    world: int,
+    mode: str,
+    kills: int,
+    seed: int,
+    tmp: Path,
+    timeout: float,
+    script: Path | None = None,
+) -> list[Any]:
+    """Kill ``kills`` ranks of one job, one at a time; the closed incidents' rows. ``script``:
+    a training script taking ``--steps`` instead of the demo's model."""
     spec = job_spec(f"rto-{world}-{MODES[mode]}", tmp, nproc=world, spares=MODES[mode], steps=STEPS)
+    if script is not None:
+        spec = dataclasses.replace(spec, script=script, script_args=("--steps", str(STEPS)))
     rng = random.Random(seed)
     with open_log(spec.log_url) as log:
         with LaunchedJob(spec) as job:

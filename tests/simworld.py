@@ -23,6 +23,8 @@ from flashrecovery.records import (
     Heartbeat,
     JobFinished,
     JobStarted,
+    NodeHeartbeat,
+    NodeJoined,
     RankExited,
     RankFinished,
     RankJoined,
@@ -206,6 +208,91 @@ class SimulatedWorld:
                 for rank in sorted(self.pids)
             ]
         return []
+
+
+@dataclass
+class SimulatedNodes:
+    """A large job as the engine sees it when agents carry the beats (docs/multinode.md): nodes
+    of ``per_node`` ranks, one agent each, plus one spare node of ``per_node`` hot spares; each
+    agent writes one NodeHeartbeat per interval carrying its processes' heartbeats."""
+
+    job_id: str
+    nodes: int
+    per_node: int = 8
+    heartbeat_interval_s: float = 1.0
+    clock: float = 1_800_000_000.0
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.per_node
+
+    @property
+    def spare_node(self) -> int:
+        return self.nodes
+
+    def _env(self, source: str) -> dict[str, Any]:
+        return {"job_id": self.job_id, "generation": 0, "source": source, "ts": self.clock}
+
+    def start(self) -> list[Envelope]:
+        """The job's start: configuration, every node, rank and spare joined."""
+        out: list[Envelope] = [
+            JobStarted(
+                **self._env("agent"),
+                world_size=self.world_size,
+                spares=self.per_node,
+                heartbeat_interval_s=self.heartbeat_interval_s,
+                nodes=self.nodes,
+            )
+        ]
+        for node in range(self.nodes + 1):
+            training = node != self.spare_node
+            out.append(
+                NodeJoined(
+                    **self._env(f"agent:{node}"),
+                    node=node,
+                    pid=self._agent_pid(node),
+                    host=f"{HOST}-{node}",
+                    ranks=self.per_node if training else 0,
+                    spares=0 if training else self.per_node,
+                )
+            )
+        out += [
+            RankJoined(**self._env(f"rank:{r}"), rank=r, pid=self._rank_pid(r), host=HOST)
+            for r in range(self.world_size)
+        ]
+        out += [
+            SpareReady(
+                **self._env("agent"), spare_id=s, pid=self._spare_pid(s), host=HOST, node=self.nodes
+            )
+            for s in range(self.per_node)
+        ]
+        return out
+
+    def beat(self, node: int) -> NodeHeartbeat:
+        """Node ``node``'s agent's heartbeat now, with its ranks' (or spares') beats."""
+        env = self._env(f"agent:{node}")
+        beats: list[Heartbeat | SpareHeartbeat]
+        if node == self.spare_node:
+            beats = [
+                SpareHeartbeat(**env, spare_id=s, pid=self._spare_pid(s))
+                for s in range(self.per_node)
+            ]
+        else:
+            first = node * self.per_node
+            beats = [
+                Heartbeat(**env, rank=r, step=-1, pid=self._rank_pid(r), host=HOST)
+                for r in range(first, first + self.per_node)
+            ]
+        return NodeHeartbeat(**env, node=node, pid=self._agent_pid(node), beats=beats)
+
+    def _agent_pid(self, node: int) -> int:
+        return 1 + node
+
+    def _rank_pid(self, rank: int) -> int:
+        return 1_000_000 + rank
+
+    def _spare_pid(self, spare_id: int) -> int:
+        return 2_000_000 + spare_id
 
 
 def drive(
