@@ -110,7 +110,7 @@ def _replicated() -> dict[str, Any]:
 
 
 def _assert_same(got: Any, want: Any) -> None:
-    for (path, g), (_, w) in zip(transfer._leaves(got), transfer._leaves(want), strict=True):
+    for (path, g), (_, w) in zip(transfer.leaves(got), transfer.leaves(want), strict=True):
         assert g.dtype == w.dtype and torch.equal(g, w), path
 
 

@@ -109,13 +109,13 @@ def _pack(state: Any, tensors: list[torch.Tensor]) -> Any:
     return state
 
 
-def _leaves(state: Any, path: Path = ()) -> Iterator[tuple[Path, Any]]:
+def leaves(state: Any, path: Path = ()) -> Iterator[tuple[Path, Any]]:
     """Every tensor of a nested structure with its path of keys."""
     if isinstance(state, torch.Tensor):
         yield path, state
         return
     for key, value in _children(state):
-        yield from _leaves(value, (*path, key))
+        yield from leaves(value, (*path, key))
 
 
 def _fits(tensor: Any, ref: _TensorRef) -> bool:
@@ -271,7 +271,7 @@ def recv(
     group.recv([structure], donors[0], _STRUCTURE).wait()
     skeleton, own = pickle.loads(structure.numpy().tobytes())  # sent by a replica of this job
     into: dict[int, torch.Tensor] = {}
-    replicated = _unpack(skeleton, dict(_leaves(like)), into, mesh)
+    replicated = _unpack(skeleton, dict(leaves(like)), into, mesh)
     data = [_flat_bytes(into[i]) for i in range(len(into))]
     sizes = [d.numel() for d in data]
     if sum(sizes) != total:
