@@ -1,14 +1,17 @@
 """Recovery time of a SIGKILLed rank, with a hot spare and with a freshly spawned replacement.
 
-    python bench/rto.py [--worlds 2 4] [--kills 5] [--quick]
+    python bench/rto.py [--worlds 2 4] [--parallel hook hsdp] [--kills 5] [--quick]
     python bench/rto.py --nodes [2 3]
 
 For each world size and mode, one job of the demo's model runs under `flashrecovery run` while a
 seeded random rank is SIGKILLed from outside, ``--kills`` times, each once the job runs again
 (and, with a spare, once the refilled spare is ready). RTO is the time from the SIGKILL to every
 rank having committed a new step (the engine's IncidentClosed); the phases come from the incident
-machine. Medians go to bench/results/rto.json, a table and bench/results/rto.png. It measures,
-it asserts nothing.
+machine. ``--parallel`` picks how the demo trains: ``hook`` (pure data parallel, every rank a
+replica of the whole state) and ``hsdp`` (FSDP2 on a replicas x 2 shards mesh, 4 or more ranks:
+a replacement receives its shard's state only); the state moved (bytes, all recipients) and the
+restore (the slowest recipient's receive, ms) come from StateTransferred. Medians go to
+bench/results/rto.json, a table and bench/results/rto.png. It measures, it asserts nothing.
 
 With ``--nodes``, each job runs on loopback nodes (an agent each, 2 ranks and 1 hot spare per
 node, plus a spare node of 2 spares): rank 1 (on node 0) is SIGKILLed, then, once the job runs
@@ -53,6 +56,7 @@ BEAT_TYPES = (
 
 def measure(
     world: int,
+    parallel: str,
     mode: str,
     kills: int,
     seed: int,
@@ -62,7 +66,10 @@ def measure(
 ) -> list[Any]:
     """Kill ``kills`` ranks of one job, one at a time; the closed incidents' rows. ``script``:
     a training script taking ``--steps`` instead of the demo's model."""
-    spec = job_spec(f"rto-{world}-{MODES[mode]}", tmp, nproc=world, spares=MODES[mode], steps=STEPS)
+    spec = dataclasses.replace(
+        job_spec(f"rto-{world}-{parallel}-{MODES[mode]}", tmp, world, MODES[mode], STEPS),
+        parallel=parallel,
+    )
     if script is not None:
         spec = dataclasses.replace(spec, script=script, script_args=("--steps", str(STEPS)))
     rng = random.Random(seed)
@@ -79,7 +86,21 @@ def measure(
                 job, watch, killer, timeout, plan_next, until=lambda: watch.incidents[1] >= kills
             )
         rows = incidents(log, spec.job_id, killer.plan)["incidents"]
-    return [r for r in rows if r["state"] == "closed" and r["rto_from_kill_s"] is not None]
+        moved = transfers(log, spec.job_id)
+    closed = [r for r in rows if r["state"] == "closed" and r["rto_from_kill_s"] is not None]
+    return [{**r, **moved.get(r["generation"], {})} for r in closed]
+
+
+def transfers(log: Any, job_id: str) -> dict[int, dict[str, float]]:
+    """Per generation, the state it moved: bytes to every recipient, the slowest receive."""
+    moved: dict[int, dict[str, float]] = {}
+    for entry in log.read(Stream.EVENTS, job_id):
+        record = entry.record
+        if record.type == "state_transferred":
+            m = moved.setdefault(record.generation, {"bytes_moved": 0, "restore_ms": 0.0})
+            m["bytes_moved"] += record.bytes
+            m["restore_ms"] = max(m["restore_ms"], record.ms)
+    return moved
 
 
 def measure_nodes(nodes: int, tmp: Path, timeout: float) -> dict[str, Any]:
@@ -202,18 +223,21 @@ def segments(row: dict[str, Any]) -> dict[str, float]:
     return {"detection": row["detection_s"], **{p: row["phases_s"].get(p, 0.0) for p in PHASES[1:]}}
 
 
-def aggregate(world: int, mode: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
+def aggregate(world: int, parallel: str, mode: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
     def median(values: list[float]) -> float | None:
         return statistics.median(values) if values else None
 
     parts = [segments(r) for r in rows]
     return {
         "world_size": world,
+        "parallel": parallel,
         "mode": mode,
         "kills_measured": len(rows),
         "replacements": dict(Counter(str(r["replacement"]) for r in rows)),
         "median_rto_from_kill_s": median([r["rto_from_kill_s"] for r in rows]),
         "median_rto_engine_s": median([r["rto_s"] for r in rows]),
+        "median_bytes_moved": median([r["bytes_moved"] for r in rows if "bytes_moved" in r]),
+        "median_restore_ms": median([r["restore_ms"] for r in rows if "restore_ms" in r]),
         "median_segments_s": {s: median([p[s] for p in parts]) for s in SEGMENTS},
         "incidents": rows,
     }
@@ -223,13 +247,30 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.0f}"
 
 
+def _ms2(ms: float | None) -> str:
+    return "-" if ms is None else f"{ms:.1f}"
+
+
+def _kb(nbytes: float | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 1000:.0f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="ranks per job")
     parser.add_argument("--kills", type=int, default=5, help="kills per job (median over them)")
     parser.add_argument("--seed", type=int, default=0, help="which ranks are killed")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per job at most")
-    parser.add_argument("--quick", action="store_true", help="2 ranks, 2 kills per mode")
+    parser.add_argument(
+        "--parallel",
+        nargs="+",
+        default=["hook", "hsdp"],
+        choices=["hook", "hsdp"],
+        help="how the demo trains (hsdp: worlds of 4 or more, even)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="hook on 2 ranks, hsdp on 4, 1 kill per mode"
+    )
     parser.add_argument(
         "--nodes",
         type=int,
@@ -244,23 +285,34 @@ def main() -> None:
         nodes_main(args.nodes or [2, 3], args.timeout, console)
         return
     if args.quick:
-        args.worlds, args.kills = [2], 2
+        args.worlds, args.kills = [2, 4], 1
+    runs = [
+        (world, parallel)
+        for world in args.worlds
+        for parallel in args.parallel
+        if (parallel == "hook" and not (args.quick and world > 2))
+        or (parallel == "hsdp" and world >= 4 and world % 2 == 0)
+    ]
     configs = []
     with tempfile.TemporaryDirectory(prefix="flashrecovery-rto-") as tmp:
-        for world in args.worlds:
+        for world, parallel in runs:
             for mode in MODES:
-                console.print(f"{world} ranks, {mode}: {args.kills} kills …")
-                rows = measure(world, mode, args.kills, args.seed, Path(tmp), args.timeout)
-                configs.append(aggregate(world, mode, rows))
+                console.print(f"{world} ranks {parallel}, {mode}: {args.kills} kills …")
+                rows = measure(
+                    world, parallel, mode, args.kills, args.seed, Path(tmp), args.timeout
+                )
+                configs.append(aggregate(world, parallel, mode, rows))
     settings = {"kills": args.kills, "gap_steps": GAP_STEPS, "seed": args.seed}
     path = write_json("rto", {"machine": machine(), "settings": settings, "configs": configs})
 
     console.print(
         table(
             f"RTO, median ms over {args.kills} kills (SIGKILL → every rank committed a new step)",
-            ["", *(f"{c['world_size']} ranks, {c['mode']}" for c in configs)],
+            ["", *(f"{c['world_size']} {c['parallel']}, {c['mode']}" for c in configs)],
             [
                 ["kills measured", *(str(c["kills_measured"]) for c in configs)],
+                ["state moved, kB", *(_kb(c["median_bytes_moved"]) for c in configs)],
+                ["restore (transfer), ms", *(_ms2(c["median_restore_ms"]) for c in configs)],
                 ["RTO from the SIGKILL", *(_ms(c["median_rto_from_kill_s"]) for c in configs)],
                 ["RTO (engine)", *(_ms(c["median_rto_engine_s"]) for c in configs)],
                 *([f"  {s}", *(_ms(c["median_segments_s"][s]) for c in configs)] for s in SEGMENTS),
@@ -271,7 +323,7 @@ def main() -> None:
         "rto",
         "recovery time by phase (medians)",
         "ms",
-        [f"{c['world_size']} ranks\n{c['mode']}" for c in configs],
+        [f"{c['world_size']} {c['parallel']}\n{c['mode']}" for c in configs],
         {s: [(c["median_segments_s"][s] or 0.0) * 1000 for c in configs] for s in SEGMENTS},
     )
     console.print(f"written {path} and {plot}")

@@ -67,7 +67,9 @@ def real(worlds: list[int], kills: int, seed: int, timeout: float, console: Cons
         for world in worlds:
             console.print(f"(a) {world} ranks + a hot spare: {kills} kills …")
             load = os.getloadavg()
-            rows = rto.measure(world, "hot spare", kills, seed, Path(tmp), timeout, TINY_MODEL)
+            rows = rto.measure(
+                world, "hook", "hot spare", kills, seed, Path(tmp), timeout, TINY_MODEL
+            )
             configs.append(
                 {
                     **rto.aggregate(world, "hot spare", rows),

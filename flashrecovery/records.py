@@ -303,6 +303,7 @@ class StateTransferred(Envelope):
     donor: RankId
     bytes: int = Field(ge=0)
     ms: float = Field(ge=0)
+    donor_bytes: dict[RankId, int] = Field(default_factory=dict)  # per donor of a striped one
 
 
 class CheckpointSaved(Envelope):
@@ -436,8 +437,14 @@ class ResumePlanned(Decision):
 
     type: Literal["resume_planned"] = "resume_planned"
     resume_step: Step
-    donors: dict[int, RankId]  # shard -> donor rank
+    donors: dict[int, RankId]  # shard -> donor rank (the lead of its stripes)
     recipients: list[RankId]
+    # shard -> the donors that share its transfer, lead first (absent: its donor alone)
+    stripes: dict[int, list[RankId]] = Field(default_factory=dict)
+
+    def donors_of(self, shard: int) -> list[int]:
+        """The ranks that send ``shard``'s state, each a stripe, the lead first."""
+        return self.stripes.get(shard) or [self.donors[shard]]
 
 
 class FallbackToCheckpoint(Decision):

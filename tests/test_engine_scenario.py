@@ -92,6 +92,7 @@ def test_kill_with_spare_decides_isolate_replace_regroup_restore_resume() -> Non
             "resume_step": 2,
             "donors": {0: 0},
             "recipients": [2],
+            "stripes": {0: [0, 1, 3]},  # every survivor sends a third of the state
         },
         {
             "generation": 1,

@@ -3,6 +3,7 @@ process (two threads play two ranks)."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import random
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from flashrecovery.agent.store import JobStore
+from flashrecovery.errors import ProtocolError
 from flashrecovery.trainer_hooks import barrier, groups, rng, transfer, vote
 
 pytestmark = pytest.mark.timeout(60)
@@ -74,17 +76,17 @@ def test_a_group_that_lost_a_member_while_forming_is_given_up_when_superseded(
     timer.join()
 
 
-def _two_ranks(job_store: JobStore, work: Any) -> list[Any]:
-    results: list[Any] = [None, None]
+def _ranks(job_store: JobStore, work: Any, world: int = 2) -> list[Any]:
+    results: list[Any] = [None] * world
 
     def rank(r: int) -> None:
         # One blocking waiter per client.
         client = groups.connect_store("127.0.0.1", job_store.port, job_store.prefix)
-        group = groups.build(client, 0, r, 2, lambda: False)
+        group = groups.build(client, 0, r, world, lambda: False)
         results[r] = work(r, group)
         groups.drop(group)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
     for t in threads:
         t.start()
     for t in threads:
@@ -92,36 +94,112 @@ def _two_ranks(job_store: JobStore, work: Any) -> list[Any]:
     return results
 
 
-def test_transfer_moves_tensors_and_structure_exactly(job_store: JobStore) -> None:
-    random.seed(7)
-    state = {
-        "model": {"w": torch.randn(4, 3), "steps": torch.tensor(9), "mask": torch.ones(2) > 0},
+def _replicated() -> dict[str, Any]:
+    """A model and optimizer state: tensors large enough to travel alone, and small ones."""
+    return {
+        "model": {
+            "w": torch.randn(700, 600),  # 1.6 MB: in place
+            "steps": torch.tensor(9),
+            "mask": torch.ones(2) > 0,
+        },
         "optimizer": {
             "state": {0: {"exp_avg": torch.randn(5, dtype=torch.float64)}},
             "param_groups": [{"lr": 0.1, "params": [0]}],
         },
-        "rng": rng.capture(),
-        "committed_step": 41,
     }
+
+
+def _assert_same(got: Any, want: Any) -> None:
+    for (path, g), (_, w) in zip(transfer.leaves(got), transfer.leaves(want), strict=True):
+        assert g.dtype == w.dtype and torch.equal(g, w), path
+
+
+def test_transfer_moves_tensors_and_structure_exactly(job_store: JobStore) -> None:
+    random.seed(7)
+    replicated = _replicated()
+    own = {"rng": rng.capture(), "committed_step": 41}
 
     def work(r: int, group: groups.Group) -> Any:
         if r == 0:
-            return transfer.send(group, 1, state)
-        return transfer.recv(group, 0)
+            return transfer.send(group, 1, replicated, own)
+        return transfer.recv(group, [0])
 
-    sent, (received, size) = _two_ranks(job_store, work)
-    assert sent == size > 0
-    assert received["committed_step"] == 41
-    assert received["optimizer"]["param_groups"] == state["optimizer"]["param_groups"]
-    for got, want in [
-        (received["model"]["w"], state["model"]["w"]),
-        (received["model"]["steps"], state["model"]["steps"]),
-        (received["model"]["mask"], state["model"]["mask"]),
-        (received["optimizer"]["state"][0]["exp_avg"], state["optimizer"]["state"][0]["exp_avg"]),
-        (received["rng"]["torch"], state["rng"]["torch"]),
-    ]:
-        assert got.dtype == want.dtype and torch.equal(got, want)
-    assert received["rng"]["python"] == state["rng"]["python"]
+    sent, received = _ranks(job_store, work)
+    assert received.bytes == {0: sent} and sent > replicated["model"]["w"].nbytes
+    assert received.own["committed_step"] == 41
+    assert received.replicated["optimizer"]["param_groups"] == [{"lr": 0.1, "params": [0]}]
+    _assert_same(received.replicated, replicated)
+    assert torch.equal(received.own["rng"]["torch"], own["rng"]["torch"])
+    assert received.own["rng"]["python"] == own["rng"]["python"]
+
+
+def test_a_striped_transfer_lands_in_the_recipients_own_tensors(job_store: JobStore) -> None:
+    """Two donors holding the same replica each send half; the recipient's tensors of the same
+    form receive in place, those it lacks (here its optimizer state) are made."""
+    replicated = _replicated()
+    mine = _replicated()
+    mine["optimizer"]["state"] = {}  # a fresh optimizer has no state yet
+    weight = mine["model"]["w"]
+
+    def work(r: int, group: groups.Group) -> Any:
+        if r < 2:
+            own = {"from": r} if r == 0 else None
+            return transfer.send(group, 2, replicated, own, transfer.Stripe(r, 2))
+        return transfer.recv(group, [0, 1], like=mine)
+
+    first, second, received = _ranks(job_store, work, world=3)
+    assert received.bytes == {0: first, 1: second}
+    assert 0 < first - second < 1000  # halves, and the lead also sends the structure
+    assert received.own == {"from": 0}
+    _assert_same(received.replicated, replicated)
+    assert received.replicated["model"]["w"].data_ptr() == weight.data_ptr()  # in place
+    assert torch.equal(weight, replicated["model"]["w"])
+
+
+def test_donors_of_different_states_are_refused(job_store: JobStore) -> None:
+    other = _replicated()
+    other["model"]["w"] = torch.randn(10)
+
+    def work(r: int, group: groups.Group) -> Any:
+        if r < 2:
+            state = _replicated() if r == 0 else other
+            with contextlib.suppress(RuntimeError):  # the recipient gives up on it
+                transfer.send(group, 2, state, None, transfer.Stripe(r, 2))
+            return None
+        with pytest.raises(ProtocolError, match="states of different sizes"):
+            transfer.recv(group, [0, 1])
+        return None
+
+    _ranks(job_store, work, world=3)
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 7])
+def test_stripes_cover_every_byte_once(count: int) -> None:
+    sizes = [5, 0, 3 << 20, 1, 17, 2 << 20]
+    covered = [bytearray(size) for size in sizes]
+    shares = []
+    for index in range(count):
+        pieces = transfer.stripe_pieces(sizes, transfer.Stripe(index, count))
+        assert sorted(p for m in transfer.messages(pieces) for p in m) == pieces
+        shares.append(sum(end - first for _, first, end in pieces))
+        for tensor, first, end in pieces:
+            covered[tensor][first:end] = bytes([1]) * (end - first)
+    assert all(all(c) for c in covered)
+    assert sum(shares) == sum(sizes) and max(shares) - min(shares) <= 1
+
+
+def test_small_pieces_share_a_message_and_large_ones_travel_alone() -> None:
+    big, small = transfer.BUCKET_BYTES, 100
+    pieces = transfer.stripe_pieces([small, small, big, small], transfer.Stripe())
+    assert transfer.messages(pieces) == [
+        [(2, 0, big)],
+        [(0, 0, small), (1, 0, small), (3, 0, small)],
+    ]
+
+
+def test_a_stripe_must_exist() -> None:
+    with pytest.raises(ValueError, match="stripe 2 of 2 does not exist"):
+        transfer.Stripe(2, 2)
 
 
 def listening(pid: int) -> set[tuple[str, int]]:
@@ -139,7 +217,7 @@ def test_the_job_store_and_gloo_listen_on_loopback_only(
     assert ("127.0.0.1", job_store.port) in before  # torch alone would bind every address
     for name, value in job_store.environment().items():
         monkeypatch.setenv(name, value)
-    opened = _two_ranks(job_store, lambda r, group: listening(os.getpid()))
+    opened = _ranks(job_store, lambda r, group: listening(os.getpid()))
     gloo = set().union(*opened) - before
     assert gloo and {ip for ip, _ in gloo} <= {"127.0.0.1", "::1"}
 

@@ -152,6 +152,7 @@ def incidents(log: LogConnector, job_id: str, kills: list[Kill], nodes: int = 1)
         rows.append(
             {
                 "incident_id": incident.incident_id,
+                "generation": incident.generation,  # the one that recovered from it
                 "failed_rank": incident.failed_rank,
                 "failed": incident.what_failed,
                 "reason": incident.reason,

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from flashrecovery.engine.state import EngineState
 
 FRESH_SPARE_INTERVALS = 2.0  # a spare not heard from for this many heartbeats is not handed a rank
+# Donors that share one shard's transfer at most: past a few, the recipient's own link bounds
+# the restore, and each more donor only adds its messages' latency (docs/protocol.md).
+MAX_STRIPES = 4
 
 
 def choose_spares(state: EngineState, count: int, now: float) -> list[int]:
@@ -31,8 +34,9 @@ def choose_spares(state: EngineState, count: int, now: float) -> list[int]:
 @dataclass(frozen=True)
 class ResumePlan:
     resume_step: int
-    donors: dict[int, int]  # shard -> donor rank
+    donors: dict[int, int]  # shard -> donor rank (the lead of its stripes)
     recipients: list[int]
+    stripes: dict[int, list[int]]  # shard -> the donors sharing its transfer (when several)
 
 
 @dataclass(frozen=True)
@@ -43,8 +47,9 @@ class NoReplica:
 
 
 def plan_resume(state: EngineState) -> ResumePlan | NoReplica:
-    """Resume after the highest step the survivors committed; each shard's donor is its lowest
-    survivor at that step; replaced ranks and any member behind receive state."""
+    """Resume after the highest step the survivors committed; each shard's donors are its
+    lowest survivors at that step (up to MAX_STRIPES, each sends a stripe, the lowest leads);
+    replaced ranks and any member behind receive state."""
     survivors = {
         rank: view
         for rank, view in state.ranks.items()
@@ -54,14 +59,14 @@ def plan_resume(state: EngineState) -> ResumePlan | NoReplica:
     resume_step = max(
         (v.regrouped_step for v in survivors.values() if v.regrouped_step is not None), default=-1
     )
-    donors: dict[int, int] = {}
+    stripes: dict[int, list[int]] = {}
     for shard in shards:
-        holders = [
+        holders = sorted(
             r for r, v in survivors.items() if v.shard == shard and v.regrouped_step == resume_step
-        ]
+        )
         if holders:
-            donors[shard] = min(holders)
-    missing = [s for s in shards if s not in donors]
+            stripes[shard] = holders[:MAX_STRIPES]
+    missing = [s for s in shards if s not in stripes]
     if missing or not survivors:
         return NoReplica(missing or shards)
     recipients = sorted(
@@ -69,4 +74,6 @@ def plan_resume(state: EngineState) -> ResumePlan | NoReplica:
         for rank, view in state.ranks.items()
         if rank in state.needs_state or view.regrouped_step != resume_step
     )
-    return ResumePlan(resume_step, donors, recipients)
+    donors = {shard: ranks[0] for shard, ranks in stripes.items()}
+    striped = {shard: ranks for shard, ranks in stripes.items() if len(ranks) > 1}
+    return ResumePlan(resume_step, donors, recipients, striped)

@@ -310,7 +310,7 @@ def plan_resume(ctx: Context) -> None:
         # A restore like any other whose every member is a recipient, from the checkpoint.
         for incident in state.open_incidents():
             incident.checkpoint_step = step
-        plan = planner.ResumePlan(step, {}, sorted(state.ranks))
+        plan = planner.ResumePlan(step, {}, sorted(state.ranks), {})
         for rank in plan.recipients:
             state.needs_state.add(rank)
             state.set_committed(rank, None)  # what it holds is dropped for the checkpoint
@@ -320,6 +320,7 @@ def plan_resume(ctx: Context) -> None:
             resume_step=plan.resume_step,
             donors=plan.donors,
             recipients=plan.recipients,
+            stripes=plan.stripes,
             incident_id=latest_incident_id(state),
         )
     state.resume_planned = True

@@ -540,31 +540,38 @@ class Session:
         return rank % self._env.shards
 
     def _restore(self, plan: ResumePlanned) -> None:
-        """Each shard's donor sends its own shard's state (DTensor local shards only) to that
-        shard's recipients; donors of different shards send at the same time."""
+        """Each shard's donors send its state (DTensor local shards only) to that shard's
+        recipients, each donor its stripe of the replicated part; donors of different shards
+        send at the same time."""
         assert self._group is not None
         shard = self._shard_of(self.rank)
-        donor = plan.donors[shard]
-        if self.rank == donor:
-            state = self._state()
+        donors = plan.donors_of(shard)
+        if self.rank in donors:
+            stripe = transfer.Stripe(donors.index(self.rank), len(donors))
+            own = self._own() if stripe.index == 0 else None
             for recipient in plan.recipients:
                 if self._shard_of(recipient) == shard:
                     transfer.send(
                         self._group,
                         recipient,
-                        state,
+                        self._replicated(),
+                        own,
+                        stripe,
                         after_header=lambda: self._fault("donor_send", self._committed_step),
                     )
         elif self.rank in plan.recipients:
             started = time.perf_counter()
-            state, size = transfer.recv(self._group, donor, self._mesh)
-            self._load(state)
+            # Its own tensors are overwritten in place: until restored it holds no step.
+            self._committed_step = -1
+            received = transfer.recv(self._group, donors, self._replicated(), self._mesh)
+            self._load({**received.replicated, **received.own})
             self._append(
                 StateTransferred,
                 rank=self.rank,
-                donor=donor,
-                bytes=size,
+                donor=donors[0],
+                bytes=sum(received.bytes.values()),
                 ms=round((time.perf_counter() - started) * 1000, 3),
+                donor_bytes=received.bytes,
             )
         if self._committed_step != plan.resume_step:
             raise ProtocolError(
@@ -596,16 +603,24 @@ class Session:
         )
 
     def _state(self) -> dict[str, Any]:
+        """The whole training state (what a checkpoint holds)."""
+        return {**self._replicated(), **self._own()}
+
+    def _replicated(self) -> dict[str, Any]:
+        """The state every replica of a shard holds bitwise alike (several donors share it)."""
         assert self._model is not None and self._optimizer is not None
+        return {"model": self._model.state_dict(), "optimizer": self._optimizer.state_dict()}
+
+    def _own(self) -> dict[str, Any]:
+        """The rest of a donor's state, sent by the lead donor alone."""
         return {
-            "model": self._model.state_dict(),
-            "optimizer": self._optimizer.state_dict(),
             "extras": {name: obj.state_dict() for name, obj in self._extras.items()},
             "rng": rng.capture(),
             "committed_step": self._committed_step,
         }
 
     def _load(self, state: dict[str, Any]) -> None:
+        """Take on a state. Tensors that landed in place make the loads copy-free."""
         assert self._model is not None and self._optimizer is not None
         self._model.load_state_dict(state["model"])
         self._optimizer.load_state_dict(state["optimizer"])

@@ -1,17 +1,26 @@
-"""Peer state transfer: a donor replica sends its whole training state to a recipient over the
-new generation's group, point to point.
+"""Peer state transfer: donors send a replica's training state to a recipient over the new
+generation's gloo group, point to point, tensors in place.
 
-The state is a nested structure (state dicts, RNG states, the step). Its tensors travel as one
-flat byte buffer, the structure around them as a small pickle; so three messages per transfer
-whatever the model's size: the two lengths, the structure, the bytes. A sharded model's
-DTensors (FSDP2) travel as their local shard and placements, and become DTensors again on the
-recipient's own mesh: a replica of the same shard holds the same local shapes.
+A state travels in two parts. The *replicated* part (model and optimizer state) is bitwise
+equal on every healthy replica of a shard, so several donors can share it: laid end to end its
+tensors' bytes are cut into as many equal stripes as there are donors, and donor ``i`` sends
+stripe ``i``. The *own* part (RNG, extras, the step: small, possibly different per rank) and
+the replicated part's structure travel as one pickle from the lead donor (stripe 0).
+
+No tensor is copied on the way where it can be avoided: a donor sends each tensor's own
+storage; the recipient receives each straight into the storage of its own tensor at the same
+place of its state (its parameters, and its optimizer state once it has one), else into a new
+tensor of that shape, so loading the result copies nothing. Pieces under ``BUCKET_BYTES``
+travel together in one message (one small copy each way) so that a model of many small tensors
+does not pay a message per tensor. Every message of a transfer is posted at once and awaited at
+the end, so the donors' sends overlap. A sharded model's DTensors (FSDP2) travel as their local
+shard and placements; a replica of the same shard holds the same local shapes.
 """
 
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,22 +31,50 @@ from torch.distributed.tensor import DTensor, Placement
 from flashrecovery.errors import ProtocolError
 from flashrecovery.trainer_hooks.groups import Group
 
-_HEADER, _SKELETON, _PAYLOAD = 0, 1, 2  # message tags
+BUCKET_BYTES = 1 << 20  # pieces smaller than this share a message
+_HEADER, _STRUCTURE, _PAYLOAD = 0, 1, 2  # message tags; payload messages count up from 2
+
+Path = tuple[Any, ...]
+Piece = tuple[int, int, int]  # tensor index, first byte, end byte
+
+
+@dataclass(frozen=True)
+class Stripe:
+    """Which part of a transfer one donor sends: ``index`` of ``count`` (0 is the lead)."""
+
+    index: int = 0
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.index < self.count:
+            raise ValueError(f"stripe {self.index} of {self.count} does not exist")
+
+
+@dataclass(frozen=True)
+class Received:
+    """A received state: the replicated part, the lead donor's own part, bytes per donor."""
+
+    replicated: Any
+    own: Any
+    bytes: dict[int, int]
 
 
 @dataclass(frozen=True)
 class _TensorRef:
-    """Where a tensor sits in the payload."""
+    """A tensor of the replicated part: its place in the stream and its form."""
 
+    index: int
     dtype: torch.dtype
     shape: tuple[int, ...]
-    offset: int
-    nbytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return torch.Size(self.shape).numel() * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
 class _DTensorRef:
-    """A DTensor: its local shard in the payload, and how it lies on the mesh."""
+    """A DTensor: its local shard in the stream, and how it lies on the mesh."""
 
     local: _TensorRef
     placements: tuple[Placement, ...]
@@ -45,29 +82,74 @@ class _DTensorRef:
     stride: tuple[int, ...]
 
 
-def _pack(state: Any, chunks: list[torch.Tensor], offset: list[int]) -> Any:
+def _children(state: Any) -> Iterator[tuple[Any, Any]]:
+    """The (key, value) pairs a nested structure holds (none for a leaf)."""
+    if isinstance(state, dict):
+        yield from state.items()
+    elif isinstance(state, list | tuple) and not isinstance(state, torch.Size):
+        yield from enumerate(state)
+
+
+def _rebuild(state: Any, values: list[Any]) -> Any:
+    if isinstance(state, dict):
+        return dict(zip(state, values, strict=True))
+    return values if isinstance(state, list) else tuple(values)
+
+
+def _pack(state: Any, tensors: list[torch.Tensor]) -> Any:
+    """The structure with each tensor replaced by a reference; the tensors go to ``tensors``."""
     if isinstance(state, DTensor):
-        local = _pack(state.to_local(), chunks, offset)
+        local = _pack(state.to_local(), tensors)
         return _DTensorRef(local, tuple(state.placements), tuple(state.shape), state.stride())
     if isinstance(state, torch.Tensor):
-        data = state.detach().contiguous().reshape(-1).view(torch.uint8)
-        ref = _TensorRef(state.dtype, tuple(state.shape), offset[0], data.numel())
-        chunks.append(data)
-        offset[0] += data.numel()
-        return ref
-    if isinstance(state, dict):
-        return {k: _pack(v, chunks, offset) for k, v in state.items()}
-    if isinstance(state, list | tuple):
-        packed = [_pack(v, chunks, offset) for v in state]
-        return packed if isinstance(state, list) else tuple(packed)
+        tensors.append(state.detach())
+        return _TensorRef(len(tensors) - 1, state.dtype, tuple(state.shape))
+    if isinstance(state, dict | list | tuple):
+        return _rebuild(state, [_pack(v, tensors) for _, v in _children(state)])
     return state
 
 
-def _unpack(skeleton: Any, payload: torch.Tensor, mesh: DeviceMesh | None) -> Any:
+def leaves(state: Any, path: Path = ()) -> Iterator[tuple[Path, Any]]:
+    """Every tensor of a nested structure with its path of keys."""
+    if isinstance(state, torch.Tensor):
+        yield path, state
+        return
+    for key, value in _children(state):
+        yield from leaves(value, (*path, key))
+
+
+def _fits(tensor: Any, ref: _TensorRef) -> bool:
+    """Whether ``tensor`` can receive ``ref``'s bytes in place."""
+    return (
+        isinstance(tensor, torch.Tensor)
+        and tensor.device.type == "cpu"
+        and tensor.dtype == ref.dtype
+        and tuple(tensor.shape) == ref.shape
+        and tensor.is_contiguous()
+    )
+
+
+def _unpack(
+    skeleton: Any,
+    own: dict[Path, torch.Tensor],
+    into: dict[int, torch.Tensor],
+    mesh: DeviceMesh | None,
+    path: Path = (),
+) -> Any:
+    """The structure again, each reference replaced by the tensor its bytes will land in: the
+    recipient's own tensor at that path if it fits, else a new one (collected in ``into``)."""
     if isinstance(skeleton, _DTensorRef):
+        mine = own.get(path)
+        if (
+            isinstance(mine, DTensor)
+            and mine.placements == skeleton.placements
+            and _fits(mine.to_local(), skeleton.local)
+        ):
+            into[skeleton.local.index] = mine.to_local()
+            return mine
         if mesh is None:
             raise ProtocolError("the donor sent DTensors, this rank has no device mesh")
-        local = _unpack(skeleton.local, payload, mesh)
+        local = _unpack(skeleton.local, {}, into, mesh, path)
         return DTensor.from_local(
             local,
             mesh,
@@ -77,43 +159,144 @@ def _unpack(skeleton: Any, payload: torch.Tensor, mesh: DeviceMesh | None) -> An
             stride=skeleton.stride,
         )
     if isinstance(skeleton, _TensorRef):
-        data = payload[skeleton.offset : skeleton.offset + skeleton.nbytes]
-        return data.clone().view(skeleton.dtype).reshape(skeleton.shape)
-    if isinstance(skeleton, dict):
-        return {k: _unpack(v, payload, mesh) for k, v in skeleton.items()}
-    if isinstance(skeleton, list | tuple):
-        items = [_unpack(v, payload, mesh) for v in skeleton]
-        return items if isinstance(skeleton, list) else tuple(items)
+        mine = own.get(path)
+        if mine is not None and _fits(mine, skeleton):
+            tensor = mine.detach()
+        else:
+            tensor = torch.empty(skeleton.shape, dtype=skeleton.dtype)
+        into[skeleton.index] = tensor
+        return tensor
+    if isinstance(skeleton, dict | list | tuple):
+        return _rebuild(
+            skeleton,
+            [_unpack(v, own, into, mesh, (*path, k)) for k, v in _children(skeleton)],
+        )
     return skeleton
 
 
+def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 view (a copy only if it is not contiguous)."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def stripe_pieces(sizes: Sequence[int], stripe: Stripe) -> list[Piece]:
+    """The byte ranges of each tensor that make up ``stripe``: the tensors' bytes laid end to
+    end are cut into ``stripe.count`` parts of equal size (to a byte)."""
+    total = sum(sizes)
+    lo, hi = total * stripe.index // stripe.count, total * (stripe.index + 1) // stripe.count
+    pieces, offset = [], 0
+    for index, size in enumerate(sizes):
+        first, end = max(lo, offset), min(hi, offset + size)
+        if first < end:
+            pieces.append((index, first - offset, end - offset))
+        offset += size
+    return pieces
+
+
+def messages(pieces: Sequence[Piece]) -> list[list[Piece]]:
+    """How pieces travel: one of ``BUCKET_BYTES`` or more alone (in place), runs of smaller
+    ones together until they reach ``BUCKET_BYTES``."""
+    out: list[list[Piece]] = []
+    run: list[Piece] = []
+    run_bytes = 0
+    for piece in pieces:
+        size = piece[2] - piece[1]
+        if size >= BUCKET_BYTES:
+            out.append([piece])
+            continue
+        run.append(piece)
+        run_bytes += size
+        if run_bytes >= BUCKET_BYTES:
+            out.append(run)
+            run, run_bytes = [], 0
+    if run:
+        out.append(run)
+    return out
+
+
+def _views(data: list[torch.Tensor], message: list[Piece]) -> list[torch.Tensor]:
+    return [data[index][first:end] for index, first, end in message]
+
+
 def send(
-    group: Group, dst: int, state: Any, after_header: Callable[[], object] = lambda: None
+    group: Group,
+    dst: int,
+    replicated: Any,
+    own: Any = None,
+    stripe: Stripe = Stripe(),
+    after_header: Callable[[], object] = lambda: None,
 ) -> int:
-    """Send ``state`` to rank ``dst``; returns the bytes sent. ``after_header`` runs between
-    the first message and the others (where a test kills a donor mid-transfer)."""
-    chunks: list[torch.Tensor] = []
-    skeleton = pickle.dumps(_pack(state, chunks, [0]))
-    payload = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
-    header = torch.tensor([len(skeleton), payload.numel()], dtype=torch.int64)
+    """Send ``stripe`` of ``replicated`` (and, from the lead, the structure and ``own``) to
+    rank ``dst``; returns the bytes sent. ``after_header`` runs after the first message (where
+    a test kills a donor mid-transfer)."""
+    tensors: list[torch.Tensor] = []
+    skeleton = _pack(replicated, tensors)
+    data = [_flat_bytes(t) for t in tensors]
+    structure = pickle.dumps((skeleton, own)) if stripe.index == 0 else b""
+    header = torch.tensor([len(structure), sum(d.numel() for d in data)], dtype=torch.int64)
     group.send([header], dst, _HEADER).wait()
     after_header()
-    group.send([torch.frombuffer(bytearray(skeleton), dtype=torch.uint8)], dst, _SKELETON).wait()
-    if payload.numel():
-        group.send([payload], dst, _PAYLOAD).wait()
-    return len(skeleton) + payload.numel()
+    pending = []
+    if structure:
+        buffer = torch.frombuffer(bytearray(structure), dtype=torch.uint8)
+        pending.append((group.send([buffer], dst, _STRUCTURE), buffer))
+    sent = len(structure)
+    plan = messages(stripe_pieces([d.numel() for d in data], stripe))
+    for tag, message in enumerate(plan, start=_PAYLOAD):
+        views = _views(data, message)
+        buffer = views[0] if len(views) == 1 else torch.cat(views)
+        pending.append((group.send([buffer], dst, tag), buffer))
+        sent += buffer.numel()
+    for work, _ in pending:
+        work.wait()
+    return sent
 
 
-def recv(group: Group, src: int, mesh: DeviceMesh | None = None) -> tuple[Any, int]:
-    """Receive a state sent by ``src``; returns it with the bytes received. DTensors are
-    rebuilt on ``mesh``."""
-    header = torch.empty(2, dtype=torch.int64)
-    group.recv([header], src, _HEADER).wait()
-    skeleton_len, payload_len = (int(v) for v in header)
-    skeleton = torch.empty(skeleton_len, dtype=torch.uint8)
-    group.recv([skeleton], src, _SKELETON).wait()
-    payload = torch.empty(payload_len, dtype=torch.uint8)
-    if payload_len:
-        group.recv([payload], src, _PAYLOAD).wait()
-    structure = pickle.loads(skeleton.numpy().tobytes())  # sent by a replica of this job
-    return _unpack(structure, payload, mesh), skeleton_len + payload_len
+def recv(
+    group: Group,
+    donors: Sequence[int],
+    like: Any = None,
+    mesh: DeviceMesh | None = None,
+) -> Received:
+    """Receive a state striped across ``donors`` (the lead first). Each tensor lands in place
+    in the tensor at the same path of ``like`` (the recipient's own replicated state) where
+    dtype and shape match; DTensors are rebuilt on ``mesh``."""
+    headers = [torch.empty(2, dtype=torch.int64) for _ in donors]
+    for work in [group.recv([h], d, _HEADER) for h, d in zip(headers, donors, strict=True)]:
+        work.wait()
+    structure_len, total = (int(v) for v in headers[0])
+    if any(int(h[1]) != total for h in headers):
+        raise ProtocolError(f"donors {list(donors)} hold states of different sizes")
+    structure = torch.empty(structure_len, dtype=torch.uint8)
+    group.recv([structure], donors[0], _STRUCTURE).wait()
+    skeleton, own = pickle.loads(structure.numpy().tobytes())  # sent by a replica of this job
+    into: dict[int, torch.Tensor] = {}
+    replicated = _unpack(skeleton, dict(leaves(like)), into, mesh)
+    data = [_flat_bytes(into[i]) for i in range(len(into))]
+    sizes = [d.numel() for d in data]
+    if sum(sizes) != total:
+        raise ProtocolError(f"the donors' state has {total} bytes, its structure {sum(sizes)}")
+    received = {donor: 0 for donor in donors}
+    received[donors[0]] += structure_len
+    pending = []
+    for index, donor in enumerate(donors):
+        plan = messages(stripe_pieces(sizes, Stripe(index, len(donors))))
+        for tag, message in enumerate(plan, start=_PAYLOAD):
+            views = _views(data, message)
+            size = sum(v.numel() for v in views)
+            buffer = views[0] if len(views) == 1 else torch.empty(size, dtype=torch.uint8)
+            pending.append((group.recv([buffer], donor, tag), buffer, views))
+            received[donor] += buffer.numel()
+    for work, buffer, views in pending:
+        work.wait()
+        if len(views) > 1:
+            _scatter(buffer, views)
+    return Received(replicated, own, received)
+
+
+def _scatter(buffer: torch.Tensor, views: list[torch.Tensor]) -> None:
+    """Copy a bucket's bytes out to the pieces it carried."""
+    offset = 0
+    for view in views:
+        view.copy_(buffer[offset : offset + view.numel()])
+        offset += view.numel()

@@ -39,12 +39,20 @@ def assert_survivors_kept(job: JobResult, failed: set[int], world: int = WORLD) 
 
 
 def test_kill_with_hot_spare(tmp_path: Path, reference: torch.Tensor) -> None:
+    """The spare is restored striped: both survivors send half of the state."""
     job = run_job(tmp_path, spares=1, kill_at={1: 8})
     assert_lossless(job, reference, incidents=1)
     assert_survivors_kept(job, failed={1})
     activated = job.records(type="spare_activated")
     assert [(a.rank, a.spare_id) for a in activated] == [(1, 0)]
     assert job.final(1)["pid"] == activated[0].pid
+    [plan] = job.decisions("resume_planned")
+    assert (plan.donors, plan.stripes, plan.recipients) == ({0: 0}, {0: [0, 2]}, [1])
+    [moved] = job.records(type="state_transferred")
+    assert (moved.rank, moved.donor, sorted(moved.donor_bytes)) == (1, 0, [0, 2])
+    lead, other = moved.donor_bytes[0], moved.donor_bytes[2]
+    # Each sends half the tensors; the lead adds the structure, RNG and extras (13 kB here).
+    assert moved.bytes == lead + other and lead > other > 0
 
 
 def test_kill_without_spare_spawns_a_replacement(tmp_path: Path, reference: torch.Tensor) -> None:

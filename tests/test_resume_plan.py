@@ -1,0 +1,62 @@
+"""The resume plan (engine/planner.py), pure: which step, which donors, how they stripe."""
+
+from __future__ import annotations
+
+import pytest
+
+from flashrecovery.engine import planner
+from flashrecovery.engine.state import EngineState, RankView
+from flashrecovery.statemachines.rank import RankMachine
+
+
+def regrouped(
+    shards: int, steps: dict[int, int | None], lost: frozenset[int] | set[int] = frozenset()
+) -> EngineState:
+    """Ranks regrouped at ``steps`` (None: not yet), shard = rank % shards; ``lost`` replaced."""
+    state = EngineState(job_id="plan")
+    for rank, step in steps.items():
+        state.ranks[rank] = RankView(
+            RankMachine(f"rank:{rank}"), shard=rank % shards, regrouped_step=step
+        )
+    state.needs_state |= lost
+    return state
+
+
+def test_pure_dp_stripes_across_every_survivor() -> None:
+    plan = planner.plan_resume(regrouped(1, {0: 7, 1: -1, 2: 7}, lost={1}))
+    assert plan == planner.ResumePlan(7, {0: 0}, [1], {0: [0, 2]})
+
+
+def test_one_survivor_sends_alone_and_records_no_stripes() -> None:
+    plan = planner.plan_resume(regrouped(1, {0: -1, 1: 7}, lost={0}))
+    assert plan == planner.ResumePlan(7, {0: 1}, [0], {})
+
+
+def test_each_shard_stripes_across_its_own_replicas() -> None:
+    """HSDP 3 replicas x 2 shards: rank 2 (shard 0) lost, shard 0 has ranks 0 and 4 left."""
+    steps: dict[int, int | None] = {r: 5 for r in range(6)}
+    steps[2] = -1
+    plan = planner.plan_resume(regrouped(2, steps, lost={2}))
+    assert plan == planner.ResumePlan(5, {0: 0, 1: 1}, [2], {0: [0, 4], 1: [1, 3, 5]})
+
+
+def test_only_survivors_at_the_resume_step_donate() -> None:
+    """Rank 3 is one step behind: it receives, it does not donate."""
+    plan = planner.plan_resume(regrouped(1, {0: 8, 1: -1, 2: 8, 3: 7}, lost={1}))
+    assert isinstance(plan, planner.ResumePlan)
+    assert (plan.stripes, plan.recipients) == ({0: [0, 2]}, [1, 3])
+
+
+def test_stripes_are_capped() -> None:
+    world = planner.MAX_STRIPES + 3
+    plan = planner.plan_resume(regrouped(1, {r: 4 if r else -1 for r in range(world)}, {0}))
+    assert isinstance(plan, planner.ResumePlan)
+    assert plan.stripes == {0: list(range(1, planner.MAX_STRIPES + 1))}
+
+
+@pytest.mark.parametrize("lost", [{0, 2}, {0, 1, 2, 3}])
+def test_a_shard_without_a_replica_has_no_donor(lost: set[int]) -> None:
+    steps: dict[int, int | None] = {r: (-1 if r in lost else 3) for r in range(4)}
+    assert planner.plan_resume(regrouped(2, steps, lost)) == planner.NoReplica(
+        [0] if lost == {0, 2} else [0, 1]
+    )
