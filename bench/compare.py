@@ -445,25 +445,32 @@ def main() -> None:
     skipped = {s: r for s in args.systems if (r := skip_reason(s))}
     systems = [s for s in args.systems if s not in skipped]
     console = Console(width=200)  # the table is wide; a pipe would fold it at 80
-    configs = []
-    started = time.time()
-    with tempfile.TemporaryDirectory(prefix="flashrecovery-compare-") as tmp:
-        for model in args.models:
-            for world in args.worlds:
-                console.print(
-                    f"{model}, {world} ranks: {', '.join(systems)}; {args.kills} kills each …"
-                )
-                configs.append(measure_config(model, world, systems, args, Path(tmp)))
     settings = {
-        **{k: v for k, v in vars(args).items() if k != "quick"},
-        "quick": args.quick,
+        **vars(args),
         "gap_steps": GAP_STEPS,
         "random_steps": RANDOM_STEPS,
         "warmup_steps": WARMUP_STEPS,
-        "wall_s": round(time.time() - started, 1),
+        "loadavg_at_start": os.getloadavg(),
     }
-    data = {"machine": machine(), "settings": settings, "skipped": skipped, "configs": configs}
-    path = write_json("compare", data)
+    configs: list[dict[str, Any]] = []
+    started = time.time()
+
+    def write() -> Path:  # after every configuration: a run cut short keeps what it measured
+        settings["wall_s"] = round(time.time() - started, 1)
+        data = {"machine": machine(), "settings": settings, "skipped": skipped}
+        return write_json("compare", {**data, "configs": configs})
+
+    path = write()
+    with tempfile.TemporaryDirectory(prefix="flashrecovery-compare-") as tmp:
+        try:
+            for world in args.worlds:
+                for model in args.models:
+                    console.print(f"{model}, {world} ranks: {', '.join(systems)} …")
+                    configs.append(measure_config(model, world, systems, args, Path(tmp)))
+                    path = write()
+        except KeyboardInterrupt:  # the jobs were stopped on the way out
+            settings["interrupted"] = True
+            path = write()
     plot = render(configs, skipped, console)
     console.print(f"written {path} and {plot}")
 
