@@ -38,6 +38,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -268,7 +269,9 @@ def run_job(
 def kill_metrics(commits: list[Commit], kill: Kill, until: float) -> dict[str, Any] | None:
     """RTO, the others' stall and the steps lost of one kill, from the lines between it and
     ``until`` (the next kill, or the job's end). Each rank's holder is the process that wrote
-    its last line in that window; its first commit there is the rank's recovery."""
+    its last line in that window; its first commit there is the rank's recovery. A rank not
+    killed stalls for its longest gap between commits from its last before the kill to its
+    first once every rank has recovered (a step in flight at the kill does not hide it)."""
     before = [c for c in commits if c.t < kill.t]
     window = [c for c in commits if kill.t < c.t < until]
     ranks = {c.rank for c in before}
@@ -279,12 +282,20 @@ def kill_metrics(commits: list[Commit], kill: Kill, until: float) -> dict[str, A
             return None
         first[rank] = next(c for c in mine if c.pid == mine[-1].pid)
     recovered = max(c.t for c in first.values())
-    stalls = [first[r].t - max(c.t for c in before if c.rank == r) for r in ranks if r != kill.rank]
+
+    def stall(rank: int) -> float:
+        last_before = max(c.t for c in before if c.rank == rank)
+        after = [c.t for c in window if c.rank == rank and c.t >= recovered]
+        span = [c.t for c in window if c.rank == rank and c.t < recovered]
+        times = [last_before, *span, *after[:1]]
+        return max(b - a for a, b in pairwise(times))
+
     last_step = max(c.step for c in before)
     return {
         "rank": kill.rank,
+        "kill_t": kill.t,
         "rto_s": recovered - kill.t,
-        "stall_s": max(stalls, default=0.0),
+        "stall_s": max((stall(r) for r in ranks if r != kill.rank), default=0.0),
         "steps_lost": max(0, last_step + 1 - min(c.step for c in first.values())),
         "recovered_t": recovered,
     }

@@ -24,7 +24,7 @@ def test_a_restart_from_a_checkpoint_counts_its_new_processes_and_its_lost_steps
     row = kill_metrics(sorted(commits, key=lambda c: c.t), Kill(1, 11, KILL_T), until=99.0)
     assert row is not None
     assert row["rto_s"] == 16.0 - KILL_T  # rank 1's new process, the later one
-    assert row["stall_s"] == 15.0 - 10.0  # rank 0: its last step before, its holder's first
+    assert abs(row["stall_s"] - (15.0 - 10.6)) < 1e-9  # rank 0: the step in flight, then none
     assert row["steps_lost"] == 5  # steps 5..9 computed again
 
 
@@ -34,6 +34,16 @@ def test_a_replacement_that_resumes_after_the_committed_step_loses_none() -> Non
     row = kill_metrics(sorted(commits, key=lambda c: c.t), Kill(1, 11, KILL_T), until=99.0)
     assert row is not None
     assert abs(row["rto_s"] - (12.2 - KILL_T)) < 1e-9
+    assert row["steps_lost"] == 0
+
+
+def test_survivors_that_go_on_without_the_lost_rank_stall_only_until_they_do() -> None:
+    commits = lines(0, 10, range(10), 1.0) + lines(1, 11, range(10), 1.0)
+    commits += lines(0, 10, range(10, 20), 15.5) + lines(1, 40, range(19, 21), 25.0)
+    row = kill_metrics(sorted(commits, key=lambda c: c.t), Kill(1, 11, KILL_T), until=99.0)
+    assert row is not None
+    assert row["rto_s"] == 25.0 - KILL_T
+    assert row["stall_s"] == 15.5 - 10.0
     assert row["steps_lost"] == 0
 
 
