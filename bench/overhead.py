@@ -165,7 +165,7 @@ def plot(results: list[dict[str, Any]]) -> Path:
     """Per model and world, each side's median step (bar), p10-p90 (whisker), run medians
     (dots), and each hook side's overhead over its baseline."""
     fig, axes = plt.subplots(
-        1, len(results), figsize=(4.2 * len(results), 4.5), squeeze=False, sharey=False
+        1, len(results), figsize=(max(6.5, 4.2 * len(results)), 4.5), squeeze=False
     )
     for ax, result in zip(axes[0], results, strict=True):
         names = list(result["sides"])
@@ -191,7 +191,9 @@ def plot(results: list[dict[str, Any]]) -> Path:
         ax.set_xticks(range(len(names)), names, rotation=30, fontsize=8)
         ax.set_title(f"{result['model']}, {result['world_size']} ranks", fontsize=9)
         ax.set_ylabel("ms per step")
-    fig.suptitle("step time: plain torch (gray) vs under the flashrecovery hook (blue)")
+    fig.suptitle(
+        "step time: plain torch (gray) vs under the flashrecovery hook (blue)", fontsize=10
+    )
     fig.tight_layout()
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / "overhead.png"
