@@ -217,7 +217,7 @@ def main() -> None:
     if any(w % 2 for w in args.worlds) and {"hsdp", "hook-hsdp"} & set(args.sides):
         parser.error("HSDP runs a (ranks / 2) x 2 mesh: give even --worlds")
     torch.set_num_threads(1)
-    console = Console()
+    console = Console(width=150)  # the table is wide; CI logs are not a terminal
     results = []
     with tempfile.TemporaryDirectory(prefix="flashrecovery-overhead-") as tmp:
         for model in args.models:
