@@ -57,11 +57,9 @@ class StepTimes:
     cpu: list[float] = field(default_factory=list)  # the process's CPU time (all its threads)
 
     def write(self, out: Path) -> None:
+        """Read only once every rank has exited, so no reader sees half a file."""
         out.mkdir(parents=True, exist_ok=True)
-        path = out / f"rank{self.rank}.json"
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(asdict(self)))
-        tmp.replace(path)
+        (out / f"rank{self.rank}.json").write_text(json.dumps(asdict(self)))
 
 
 def read_times(out: Path, world: int) -> list[StepTimes]:
