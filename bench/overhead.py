@@ -1,16 +1,23 @@
-"""Steady-state cost per step of the trainer hook against plain torch DDP, same model and data.
+"""Steady-state cost per step of the trainer hook against plain torch, same model, data and loop.
 
-    python bench/overhead.py [--worlds 2 4] [--steps 60] [--quick]
+    python bench/overhead.py [--models gpt mlp] [--worlds 2 4] [--steps 60] [--repeats 3]
+    python bench/overhead.py --quick      # CI: the MLP on 2 ranks, a few steps, nothing asserted
 
-Two hook sides, each the demo's training script under `flashrecovery run` (no spare, no fault):
-"hook", whose commit averages the gradients itself, and "hook-ddp", the model wrapped in torch
-DDP over the session's stable process group (DDP's buckets overlap the backward), whose commit
-only votes. Both vote through the store, append a StepCompleted record and run a heartbeat
-thread beside the loop. The baseline is the same model wrapped in
-DistributedDataParallel on gloo, started with torch.multiprocessing on a TCPStore of its own.
-Both time each step commit to commit and drop the first ``WARMUP`` steps. Results go to
-bench/results/overhead.json, a table and bench/results/overhead.png. It measures, it asserts
-nothing.
+Sides (bench/overhead_rank.py runs every one of them through the same step loop):
+
+- ``ddp``: plain torch DDP on gloo, its own processes and store: the baseline;
+- ``hook-ddp``: the same DDP over the session's stable process group, under ``flashrecovery
+  run``; ``commit()`` only votes;
+- ``hook``: the hook's own reduce (no DDP): ``commit()`` averages the gradients, votes and steps;
+- ``hsdp``: plain FSDP2 on a (ranks / 2) x 2 replicate x shard mesh: the HSDP baseline;
+- ``hook-hsdp``: the same HSDP over the session's stable mesh, under ``flashrecovery run``.
+
+A hook side pays everything the hook adds: the vote on the store, the StepCompleted record, the
+heartbeat and decisions threads, and the agent (with its engine) on the same cores. Runs are
+interleaved (each repeat rotates the order, so a busy spell hits every side) and each repeat's
+hook side is compared with the same repeat's baseline, which shows the spread. Results:
+bench/results/overhead.json (with the load average around every run), a table, and
+bench/results/overhead.png. It measures; it asserts nothing.
 """
 
 from __future__ import annotations
@@ -20,78 +27,62 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import replace
-from datetime import timedelta
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from harness import job_spec, machine, stacked_bars, table, write_json
+from harness import RESULTS, job_spec, machine, table, write_json
+from matplotlib import pyplot as plt
+from overhead_rank import MODELS, plain_rank, read_times
 from rich.console import Console
-from torch.nn.parallel import DistributedDataParallel
 
-from flashrecovery.demo.data import batch_for
 from flashrecovery.demo.job import LaunchedJob
-from flashrecovery.demo.model import lm_loss
-from flashrecovery.demo.results import RankResult, read_results
-from flashrecovery.demo.train import build
-from flashrecovery.trainer_hooks.final_state import parameters_sha256
 
+RANK_SCRIPT = Path(__file__).resolve().with_name("overhead_rank.py")
+PARTS = ("total", "compute", "commit", "optimizer", "cpu")  # overhead_rank.StepTimes
 WARMUP = 5  # first steps pay one-time costs (allocations, gloo buffers)
-STORE_TIMEOUT = timedelta(seconds=60)
 
 
-def step_times(results: dict[int, RankResult]) -> list[float]:
-    """Steady-state step times of every rank."""
-    return [t for r in results.values() for t in r.step_times_s[WARMUP:]]
+@dataclass(frozen=True)
+class Side:
+    parallel: str  # overhead_rank.py --parallel
+    hook: bool  # under flashrecovery run, or plain torch
+    baseline: str | None = None  # the side it is measured against
 
 
-def hook_run(world: int, steps: int, out: Path, timeout: float, parallel: str) -> list[float]:
+SIDES = {
+    "ddp": Side("ddp", hook=False),
+    "hook-ddp": Side("ddp", hook=True, baseline="ddp"),
+    "hook": Side("hook", hook=True, baseline="ddp"),
+    "hsdp": Side("hsdp", hook=False),
+    "hook-hsdp": Side("hsdp", hook=True, baseline="hsdp"),
+}
+
+
+def hook_run(side: Side, model: str, world: int, steps: int, out: Path, timeout: float) -> None:
     spec = replace(
-        job_spec(out.name, out.parent, nproc=world, spares=0, steps=steps), parallel=parallel
+        job_spec(out.name, out.parent, nproc=world, spares=0, steps=steps),
+        parallel=side.parallel,  # hsdp: the job gets --shards
+        script=RANK_SCRIPT,
+        script_args=(
+            *("--model", model, "--parallel", side.parallel),
+            *("--steps", str(steps), "--out", str(out / "times")),
+        ),
     )
     with LaunchedJob(spec) as job:
         code = job.wait(timeout)
         if code != 0:
-            raise RuntimeError(f"hook run ended with {code}:\n{job.output_tail()}")
-    return step_times(read_results(spec.run_dir, world))
+            raise RuntimeError(f"{side} ended with {code}:\n{job.output_tail()}")
 
 
-def ddp_worker(rank: int, world: int, port: int, steps: int, out: str) -> None:
-    """One rank of the baseline (spawned: module level, picklable arguments)."""
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=STORE_TIMEOUT)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    model, optimizer, schedule = build(seed=0)
-    ddp = DistributedDataParallel(model)
-    losses: dict[int, float] = {}
-    times: list[float] = []
-    last = time.perf_counter()
-    for step in range(steps):
-        optimizer.zero_grad(set_to_none=True)
-        x, y = batch_for(step, rank, world)
-        loss = lm_loss(ddp(x), y)
-        loss.backward()
-        losses[step] = loss.item()
-        optimizer.step()
-        schedule.step()
-        now = time.perf_counter()
-        times.append(now - last)
-        last = now
-    dist.destroy_process_group()
-    result = RankResult(rank, os.getpid(), 0, steps, parameters_sha256(model), losses, times)
-    result.write(Path(out))
-
-
-def ddp_run(world: int, steps: int, out: Path, timeout: float, parallel: str) -> list[float]:
-    store = dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, timeout=STORE_TIMEOUT, wait_for_workers=False
-    )
+def plain_run(side: Side, model: str, world: int, steps: int, out: Path, timeout: float) -> None:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     context = mp.start_processes(
-        ddp_worker,
-        args=(world, store.port, steps, str(out)),
+        plain_rank,
+        args=(world, store.port, model, side.parallel, steps, str(out / "times")),
         nprocs=world,
         join=False,
         start_method="spawn",
@@ -100,88 +91,209 @@ def ddp_run(world: int, steps: int, out: Path, timeout: float, parallel: str) ->
     try:
         while not context.join(timeout=1.0):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the DDP baseline did not finish within {timeout:.0f}s")
+                raise TimeoutError(f"the {side.parallel} baseline did not finish in {timeout:.0f}s")
     finally:
         for process in context.processes:
             if process.is_alive():
                 process.kill()
             process.join(5)
-    return step_times(read_results(out, world))
 
 
-# side -> how it runs and its demo --parallel value
-SIDES: dict[str, tuple[Callable[[int, int, Path, float, str], list[float]], str]] = {
-    "ddp": (ddp_run, "ddp"),
-    "hook": (hook_run, "hook"),
-    "hook-ddp": (hook_run, "ddp"),
-}
-
-
-def stats(times: list[float]) -> dict[str, Any]:
+def run(
+    name: str, model: str, world: int, steps: int, out: Path, timeout: float, repeat: int
+) -> dict[str, Any]:
+    """One run of one side: every rank's steady steps, the load around it."""
+    side = SIDES[name]
+    load_before = os.getloadavg()[0]
+    started = time.monotonic()
+    (hook_run if side.hook else plain_run)(side, model, world, steps, out, timeout)
+    ranks = read_times(out / "times", world)
+    steady = [{part: getattr(r, part)[WARMUP:] for part in PARTS} for r in ranks]
     return {
-        "median_ms": statistics.median(times) * 1000,
-        "p90_ms": statistics.quantiles(times, n=10)[-1] * 1000,
-        "samples": len(times),
+        "side": name,
+        "repeat": repeat,
+        "seconds": round(time.monotonic() - started, 2),
+        "load_1m_before_after": [load_before, os.getloadavg()[0]],
+        "params_sha256": ranks[0].params_sha256,
+        "median_ms": _median_ms([t for r in steady for t in r["total"]]),
+        "parts_ms": {part: _median_ms([t for r in steady for t in r[part]]) for part in PARTS[1:]},
+        "step_ms": [round(t * 1000, 3) for r in steady for t in r["total"]],
     }
+
+
+def _median_ms(seconds: list[float]) -> float:
+    return statistics.median(seconds) * 1000
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each side over its runs, and each hook side against its baseline, repeat by repeat."""
+    by_side: dict[str, list[dict[str, Any]]] = {}
+    for r in runs:
+        by_side.setdefault(r["side"], []).append(r)
+    sides: dict[str, Any] = {}
+    for name, side_runs in by_side.items():
+        steps = [t for r in side_runs for t in r["step_ms"]]
+        deciles = statistics.quantiles(steps, n=10)
+        sides[name] = {
+            "median_ms": statistics.median(steps),
+            "p10_ms": deciles[0],
+            "p90_ms": deciles[-1],
+            "run_medians_ms": [r["median_ms"] for r in side_runs],
+            "parts_ms": {
+                part: statistics.median(r["parts_ms"][part] for r in side_runs)
+                for part in PARTS[1:]
+            },
+        }
+        base_by_repeat = {r["repeat"]: r for r in by_side.get(SIDES[name].baseline or "", [])}
+        pairs = [
+            (r, base_by_repeat[r["repeat"]]) for r in side_runs if r["repeat"] in base_by_repeat
+        ]
+        if pairs:
+            baseline = pairs[0][1]["side"]
+            base_median = statistics.median(t for r in by_side[baseline] for t in r["step_ms"])
+            per_repeat = [100 * (a["median_ms"] / b["median_ms"] - 1) for a, b in pairs]
+            sides[name]["baseline"] = baseline
+            sides[name]["overhead_pct"] = 100 * (sides[name]["median_ms"] / base_median - 1)
+            sides[name]["overhead_pct_per_repeat"] = per_repeat
+            sides[name]["bitwise_equal_to_baseline"] = all(
+                a["params_sha256"] == b["params_sha256"] for a, b in pairs
+            )
+    return sides
+
+
+def plot(results: list[dict[str, Any]]) -> Path:
+    """Per model and world, each side's median step (bar), p10-p90 (whisker), run medians
+    (dots), and each hook side's overhead over its baseline."""
+    fig, axes = plt.subplots(
+        1, len(results), figsize=(max(6.5, 4.2 * len(results)), 4.5), squeeze=False
+    )
+    for ax, result in zip(axes[0], results, strict=True):
+        names = list(result["sides"])
+        for x, name in enumerate(names):
+            s = result["sides"][name]
+            ax.bar(x, s["median_ms"], color="tab:gray" if not SIDES[name].hook else "tab:blue")
+            ax.errorbar(
+                x,
+                s["median_ms"],
+                yerr=[[s["median_ms"] - s["p10_ms"]], [s["p90_ms"] - s["median_ms"]]],
+                color="black",
+                capsize=3,
+            )
+            ax.plot([x] * len(s["run_medians_ms"]), s["run_medians_ms"], "o", color="tab:orange")
+            if "overhead_pct" in s:
+                ax.annotate(
+                    f"{s['overhead_pct']:+.1f}%",
+                    (x, s["p90_ms"]),
+                    ha="center",
+                    va="bottom",
+                    fontsize=8,
+                )
+        ax.set_xticks(range(len(names)), names, rotation=30, fontsize=8)
+        ax.set_title(f"{result['model']}, {result['world_size']} ranks", fontsize=9)
+        ax.set_ylabel("ms per step")
+    fig.suptitle(
+        "step time: plain torch (gray) vs under the flashrecovery hook (blue)", fontsize=10
+    )
+    fig.tight_layout()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / "overhead.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="ranks per run")
+    parser.add_argument("--sides", nargs="+", choices=list(SIDES), default=list(SIDES))
     parser.add_argument("--steps", type=int, default=60, help="steps per run")
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each side per world")
-    parser.add_argument("--timeout", type=float, default=180.0, help="seconds per run at most")
-    parser.add_argument("--quick", action="store_true", help="2 ranks, 25 steps, one run each")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each side")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run at most")
+    parser.add_argument("--quick", action="store_true", help="CI: the MLP, 2 ranks, one run")
     args = parser.parse_args()
     if args.quick:
-        args.worlds, args.steps, args.repeats = [2], 25, 1
+        args.models, args.worlds, args.steps, args.repeats = ["mlp"], [2], WARMUP + 7, 1
+    if any(w % 2 for w in args.worlds) and {"hsdp", "hook-hsdp"} & set(args.sides):
+        parser.error("HSDP runs a (ranks / 2) x 2 mesh: give even --worlds")
     torch.set_num_threads(1)
-    console = Console()
-    rows = []
+    console = Console(width=150)  # the table is wide; CI logs are not a terminal
+    results = []
     with tempfile.TemporaryDirectory(prefix="flashrecovery-overhead-") as tmp:
-        for world in args.worlds:
-            console.print(f"{world} ranks: {', '.join(SIDES)}, {args.repeats} runs of each …")
-            times: dict[str, list[float]] = {side: [] for side in SIDES}
-            for repeat in range(args.repeats):  # rotate, so a busy spell hits every side
-                names, shift = list(SIDES), repeat % len(SIDES)
-                for side in names[shift:] + names[:shift]:
-                    runner, parallel = SIDES[side]
-                    out = Path(tmp) / f"{side}-{world}-{repeat}"
-                    times[side] += runner(world, args.steps, out, args.timeout, parallel)
-            row: dict[str, Any] = {"world_size": world}
-            for side in SIDES:
-                row[side] = stats(times[side])
-                overhead = row[side]["median_ms"] - row["ddp"]["median_ms"]
-                row[f"{side}_overhead_ms"] = overhead
-                row[f"{side}_overhead_pct"] = 100 * overhead / row["ddp"]["median_ms"]
-            rows.append(row)
-    settings = {"steps": args.steps, "warmup_steps": WARMUP, "repeats": args.repeats}
-    path = write_json("overhead", {"machine": machine(), "settings": settings, "worlds": rows})
-    console.print(
-        table(
-            "step time, ms (steady state, every rank's steps)",
-            ["ranks", "side", "median", "p90", "overhead vs DDP"],
-            [
+        for model in args.models:
+            for world in args.worlds:
+                console.print(f"{model}, {world} ranks: {args.repeats} x {', '.join(args.sides)}")
+                runs: list[dict[str, Any]] = []
+                failed: list[dict[str, Any]] = []
+                for repeat in range(args.repeats):  # rotate, so a busy spell hits every side
+                    shift = repeat % len(args.sides)
+                    for name in args.sides[shift:] + args.sides[:shift]:
+                        out = Path(tmp) / f"{model}-{world}-{name}-{repeat}"
+                        try:
+                            runs.append(
+                                run(name, model, world, args.steps, out, args.timeout, repeat)
+                            )
+                        except (RuntimeError, TimeoutError) as exc:  # say so, measure the rest
+                            console.print(f"[red]{name} run {repeat} failed:[/red] {exc}")
+                            failed.append({"side": name, "repeat": repeat, "error": str(exc)})
+                runs.sort(key=lambda r: args.sides.index(r["side"]))  # stable: repeat order
+                results.append(
+                    {
+                        "model": model,
+                        "world_size": world,
+                        "sides": summarize(runs),
+                        "runs": runs,
+                        "failed_runs": failed,
+                    }
+                )
+    settings = {
+        "steps": args.steps,
+        "warmup_steps": WARMUP,
+        "repeats": args.repeats,
+        "quick": args.quick,
+    }
+    path = write_json("overhead", {"machine": machine(), "settings": settings, "results": results})
+    loads = [load for r in results for run in r["runs"] for load in run["load_1m_before_after"]]
+    console.print(overhead_table(results, min(loads), max(loads)))
+    console.print(f"written {path} and {plot(results)}")
+
+
+def overhead_table(results: list[dict[str, Any]], load_min: float, load_max: float) -> Any:
+    rows = []
+    for r in results:
+        for name, s in r["sides"].items():
+            parts = s["parts_ms"]
+            overhead = ""
+            if "overhead_pct" in s:
+                spread = s["overhead_pct_per_repeat"]
+                overhead = f"{s['overhead_pct']:+.1f}% ({min(spread):+.1f}…{max(spread):+.1f})"
+            rows.append(
                 [
+                    r["model"],
                     str(r["world_size"]),
-                    side,
-                    f"{r[side]['median_ms']:.1f}",
-                    f"{r[side]['p90_ms']:.1f}",
-                    f"{r[f'{side}_overhead_ms']:+.1f} ({r[f'{side}_overhead_pct']:+.0f}%)",
+                    name,
+                    f"{s['median_ms']:.1f}",
+                    f"{s['p10_ms']:.1f}-{s['p90_ms']:.1f}",
+                    f"{parts['compute']:.1f} / {parts['commit']:.2f} / {parts['optimizer']:.1f}",
+                    f"{parts['cpu']:.1f}",
+                    overhead,
                 ]
-                for r in rows
-                for side in SIDES
-            ],
-        )
+            )
+    return table(
+        f"ms per step, steady state, every rank's steps; 1-min load {load_min:.1f}-{load_max:.1f}"
+        f" on {os.cpu_count()} cores",
+        [
+            "model",
+            "ranks",
+            "side",
+            "median",
+            "p10-p90",
+            "fwd+bwd / commit / opt",
+            "CPU",
+            "vs baseline (repeats)",
+        ],
+        rows,
     )
-    plot = stacked_bars(
-        "overhead",
-        "median step time: plain DDP vs the flashrecovery hook",
-        "ms",
-        [f"{r['world_size']} ranks\n{side}" for r in rows for side in SIDES],
-        {"median step": [r[side]["median_ms"] for r in rows for side in SIDES]},
-    )
-    console.print(f"written {path} and {plot}")
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ def test_vote_commits_only_when_every_member_voted(store: dist.Store) -> None:
     assert vote.cast(store, key, 0, 3) is None
     assert vote.cast(store, key, 2, 3) is vote.Verdict.COMMITTED
     assert vote.close(store, key, 3) is vote.Verdict.COMMITTED  # a full vote can't be closed
-    assert vote.wait(store, key, datetime.timedelta(seconds=1)) is vote.Verdict.COMMITTED
+    assert vote.wait(store, key) is vote.Verdict.COMMITTED
 
 
 def test_a_closed_vote_aborts_for_everyone(store: dist.Store) -> None:
@@ -48,7 +48,7 @@ def test_a_closed_vote_aborts_for_everyone(store: dist.Store) -> None:
     assert vote.cast(store, key, 0, 3) is None
     assert vote.close(store, key, 3) is vote.Verdict.ABORTED
     assert vote.cast(store, key, 1, 3) is vote.Verdict.ABORTED  # can't vote on a closed vote
-    assert vote.wait(store, key, datetime.timedelta(seconds=1)) is vote.Verdict.ABORTED
+    assert vote.wait(store, key) is vote.Verdict.ABORTED
     assert vote.close(store, vote.vote_key(1, 6), 3) is vote.Verdict.ABORTED  # nobody voted yet
 
 

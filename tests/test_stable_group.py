@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions
 
-from flashrecovery.trainer_hooks import stable_group
+from flashrecovery.trainer_hooks import ddp, stable_group
 from flashrecovery.trainer_hooks.position import DataPosition
 
 TIMEOUT = datetime.timedelta(seconds=30)
@@ -89,6 +89,36 @@ def test_a_dead_peer_in_ddp_backward_is_recorded_not_raised(tmp_path: Path, devi
     victim.join(5)
     assert (survivor.exitcode, victim.exitcode) == (0, -signal.SIGKILL)
     assert out.read_text()  # the backend's own words for the lost peer
+
+
+def test_settled_ddp_reduces_the_last_layer_first() -> None:
+    """A replacement's DDP (its group still local) settles its buckets at registration in the
+    order a backward makes gradients ready, so the first bucket's all-reduce can start while the
+    backward still runs: the first layer in the first bucket would hold every bucket back."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(4)))
+    group = stable_group.StableGroup("world", rank=0, size=2, device="cpu")
+    wrapped = torch.nn.parallel.DistributedDataParallel(
+        model, process_group=group, bucket_cap_mb=0.02
+    )
+    ddp.settle_buckets(wrapped)
+    assert wrapped._has_rebuilt_buckets
+    assert all(p.grad is None for p in model.parameters())  # the settling leaves no gradient
+    names = {p: n for n, p in model.named_parameters()}
+    launched: list[list[str]] = []
+
+    def record(_: object, bucket):  # unannotated: DDP refuses all but its own class
+        launched.append([names[p] for p in bucket.parameters()])
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        future.set_result(bucket.buffer())
+        return future
+
+    wrapped.register_comm_hook(None, record)
+    wrapped(torch.randn(2, 64)).sum().backward()
+    assert launched == [
+        ["3.bias", "3.weight", "2.bias", "2.weight"],
+        ["1.bias", "1.weight", "0.bias", "0.weight"],
+    ]
 
 
 def test_data_position_round_trips() -> None:

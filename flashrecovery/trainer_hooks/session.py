@@ -423,7 +423,7 @@ class Session:
                 verdict = vote.close(self._store, key, self.world_size)
             if verdict is None:
                 try:
-                    verdict = vote.wait(self._store, key, groups.COLLECTIVE_TIMEOUT)
+                    verdict = vote.wait(self._store, key)  # COLLECTIVE_TIMEOUT at most
                 except dist.DistStoreError:  # nobody made it final in time: settle it here
                     verdict = vote.close(self._store, key, self.world_size)
         return verdict

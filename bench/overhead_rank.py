@@ -1,0 +1,193 @@
+"""One rank of bench/overhead.py: the same training step with and without the flashrecovery hook.
+
+Under ``flashrecovery run`` (the hook's sides) it is a script:
+
+    flashrecovery run --nproc-per-node 2 bench/overhead_rank.py --model mlp --parallel ddp ...
+
+and bench/overhead.py calls ``plain_rank`` in processes of its own for the baselines (plain torch
+DDP or HSDP over gloo, no hook). Both run ``train``: zero the gradients, forward, backward, then
+(hook) ``session.commit()``, then the optimizer step; each step is timed from the end of the one
+before, in three parts (forward and backward, the commit, the optimizer step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from flashrecovery.demo.data import BLOCK_SIZE, batch_for, vocabulary
+from flashrecovery.demo.job import HSDP_SHARDS
+from flashrecovery.demo.model import GPTConfig, TinyGPT, lm_loss
+from flashrecovery.trainer_hooks import Session, init
+from flashrecovery.trainer_hooks.final_state import parameters_sha256
+
+MODELS = ("gpt", "mlp")
+PARALLEL = ("hook", "ddp", "hsdp")  # who reduces the gradients: the hook, torch DDP, FSDP2
+MLP_WIDTH, MLP_LAYERS, MLP_BATCH = 1024, 4, 32  # 4.2 M parameters
+LEARNING_RATE = 1e-3
+STORE_TIMEOUT = timedelta(seconds=60)
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class StepTimes:
+    """One rank's committed steps, in seconds: each step's wall time and its parts."""
+
+    rank: int
+    params_sha256: str = ""
+    total: list[float] = field(default_factory=list)  # end of the previous step to end of this
+    compute: list[float] = field(default_factory=list)  # zero_grad, batch, forward, backward
+    commit: list[float] = field(default_factory=list)  # session.commit() (0 without the hook)
+    optimizer: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)  # the process's CPU time (all its threads)
+
+    def write(self, out: Path) -> None:
+        """Read only once every rank has exited, so no reader sees half a file."""
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"rank{self.rank}.json").write_text(json.dumps(asdict(self)))
+
+
+def read_times(out: Path, world: int) -> list[StepTimes]:
+    return [StepTimes(**json.loads((out / f"rank{r}.json").read_text())) for r in range(world)]
+
+
+def model_and_data(name: str) -> tuple[torch.nn.Module, Callable[[int, int, int], Batch]]:
+    """The model (seeded: every rank builds the same) and its batch of (step, rank, world)."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    if name == "gpt":
+        return TinyGPT(GPTConfig(vocab_size=len(vocabulary()), block_size=BLOCK_SIZE)), batch_for
+    layers: list[torch.nn.Module] = []
+    for _ in range(MLP_LAYERS):
+        layers += [torch.nn.Linear(MLP_WIDTH, MLP_WIDTH), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers[:-1]), _mlp_batch
+
+
+def _mlp_batch(step: int, rank: int, world: int) -> Batch:
+    generator = torch.Generator().manual_seed((world * 100_000 + step) * 100 + rank)
+    x = torch.randn(MLP_BATCH, MLP_WIDTH, generator=generator)
+    return x, torch.randn(MLP_BATCH, MLP_WIDTH, generator=generator)
+
+
+def loss_of(name: str, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return lm_loss(output, target) if name == "gpt" else F.mse_loss(output, target)
+
+
+def wrap(model: torch.nn.Module, parallel: str, mesh: DeviceMesh | None) -> torch.nn.Module:
+    """DDP, or FSDP2 on the mesh (each block, then the whole), or the model as it is."""
+    if parallel == "ddp":
+        return DistributedDataParallel(model)
+    if parallel == "hsdp":
+        assert mesh is not None
+        blocks = model.blocks if isinstance(model, TinyGPT) else model.children()
+        for block in blocks:
+            if any(p.requires_grad for p in block.parameters()):
+                fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model
+
+
+def hsdp_shape(world: int) -> tuple[int, int]:
+    return world // HSDP_SHARDS, HSDP_SHARDS
+
+
+def train(
+    name: str,
+    parallel: str,
+    steps: int,
+    rank: int,
+    world: int,
+    mesh: DeviceMesh | None,
+    session: Session | None,
+) -> StepTimes:
+    """Build, wrap and train; with a session every step commits through it (the hook's own
+    reduce when ``parallel`` is "hook"), and the caller's optimizer steps when it commits."""
+    model, batch = model_and_data(name)
+    forward = wrap(model, parallel, mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+    times = StepTimes(rank)
+    step_range: Iterable[int] = range(steps)
+    if session is not None:
+        session.register(forward, optimizer)
+        step_range = session.steps(steps)
+    last, last_cpu = time.perf_counter(), time.process_time()
+    for step in step_range:
+        optimizer.zero_grad(set_to_none=True)
+        x, y = batch(step, rank, world)
+        loss = loss_of(name, forward(x), y)
+        loss.backward()
+        value = loss.item()
+        computed = time.perf_counter()
+        committed = session is None or session.commit(loss=value)
+        voted = time.perf_counter()
+        if committed and parallel != "hook":
+            optimizer.step()
+        now, cpu = time.perf_counter(), time.process_time()
+        if committed:
+            times.total.append(now - last)
+            times.compute.append(computed - last)
+            times.commit.append(voted - computed)
+            times.optimizer.append(now - voted)
+            times.cpu.append(cpu - last_cpu)
+        last, last_cpu = now, cpu
+    times.params_sha256 = parameters_sha256(model)  # sharded: gathered, a collective
+    return times
+
+
+def plain_rank(
+    rank: int, world: int, port: int, name: str, parallel: str, steps: int, out: str
+) -> None:
+    """One rank of a baseline: plain torch on gloo, its own store (spawned: module level).
+
+    In a session of its own, as the agent starts a hook's rank: with the kernel's autogroup
+    scheduling each session gets its fair share of a busy machine, so ranks sharing the bench's
+    session would get less CPU than the hook's and look slower than they are."""
+    os.setsid()
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=STORE_TIMEOUT)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    mesh = None
+    if parallel == "hsdp":
+        mesh = init_device_mesh("cpu", hsdp_shape(world), mesh_dim_names=("replicate", "shard"))
+    train(name, parallel, steps, rank, world, mesh, None).write(Path(out))
+    dist.destroy_process_group()
+
+
+def main(argv: list[str]) -> int:
+    """A rank under the hook (started by ``flashrecovery run``)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=MODELS, required=True)
+    parser.add_argument("--parallel", choices=PARALLEL, required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    session = init()
+    mesh = None
+    if args.parallel == "hsdp":
+        mesh = session.device_mesh(hsdp_shape(session.world_size), ("replicate", "shard"))
+    elif args.parallel == "ddp":
+        session.process_group()
+    with session:
+        times = train(
+            args.model, args.parallel, args.steps, session.rank, session.world_size, mesh, session
+        )
+    times.write(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
