@@ -16,7 +16,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
@@ -209,6 +209,8 @@ class KafkaLog(LogConnector):
         self._consumers_lock = threading.Lock()
         self._partitions: dict[str, list[int]] = {}
         self._producer: KafkaProducer | None = None
+        self._unsent: list[BaseException] = []  # why append_async records were lost, for flush
+        self._unsent_lock = threading.Lock()
         if not read_only:
             ensure_topics(settings)
         try:
@@ -267,21 +269,55 @@ class KafkaLog(LogConnector):
     def append_raw_many(self, stream: Stream, job_id: str, raws: list[bytes]) -> list[int]:
         """Send the whole batch (the producer packs it into few requests, acks=all and
         idempotent as ever), then wait once for every acknowledgement."""
-        topic, key = self.settings.topic(stream), job_id.encode()
-        if self._producer is None:
-            raise LogError(f"log {redact(self.url)} was opened read-only")
-        with self._failing(f"appending to {topic}"):
-            partition = self._partition(topic, key)
-            futures = [
-                self._producer.send(topic, value=bytes(raw), key=key, partition=partition)
-                for raw in raws
-            ]
+        futures = self._send(stream, job_id, raws)
+        with self._failing(f"appending to {self.settings.topic(stream)}"):
             if len(futures) > 1:
-                self._producer.flush()  # no linger: the batch goes out now
+                self._producer_or_fail().flush()  # no linger: the batch goes out now
             # The producer settles every send within its delivery timeout: wait that long so
             # the answer is final (a give-up earlier could be stored later and then retried).
-            wait_s = self._producer.config["delivery_timeout_ms"] / 1000 + 5
+            wait_s = self._producer_or_fail().config["delivery_timeout_ms"] / 1000 + 5
             return [int(future.get(timeout=wait_s).offset) for future in futures]
+
+    def send_raw_many(
+        self, stream: Stream, job_id: str, raws: list[bytes], lost: Callable[[], None]
+    ) -> None:
+        """Into the producer's buffer and on: its I/O thread sends and retries (acks=all,
+        idempotent) while the caller goes on; a record it gives up on is counted for flush."""
+        for future in self._send(stream, job_id, raws):
+            future.add_errback(self._lost, lost)
+
+    def _lost(self, lost: Callable[[], None], exc: BaseException) -> None:
+        with self._unsent_lock:
+            self._unsent.append(exc)
+        lost()
+
+    def _send(self, stream: Stream, job_id: str, raws: list[bytes]) -> list[Any]:
+        """Hand each record to the producer (in order, to the job's partition)."""
+        topic, key = self.settings.topic(stream), job_id.encode()
+        producer = self._producer_or_fail()
+        with self._failing(f"appending to {topic}"):
+            partition = self._partition(topic, key)
+            return [
+                producer.send(topic, value=bytes(raw), key=key, partition=partition) for raw in raws
+            ]
+
+    def _producer_or_fail(self) -> KafkaProducer:
+        if self._producer is None:
+            raise LogError(f"log {redact(self.url)} was opened read-only")
+        return self._producer
+
+    def flush(self, timeout: float | None = None) -> None:
+        if self._producer is None:
+            return
+        with self._failing("flushing"):
+            self._producer.flush(timeout=timeout)
+        with self._unsent_lock:
+            unsent, self._unsent = self._unsent, []
+        if unsent:
+            raise LogError(
+                f"Kafka at {self.settings.bootstrap}: {len(unsent)} record(s) handed over "
+                f"without waiting were not stored (lost): {unsent[0]!r}"
+            )
 
     def read(
         self, stream: Stream, job_id: str, from_position: int = 0, limit: int | None = None
