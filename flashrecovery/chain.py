@@ -104,7 +104,7 @@ class ChainWriter:
         ``send`` finds out later that the batch was lost it calls the ``lost`` it was given: the
         writers' chains then go on under new writer ids from their next record (the records
         linked meanwhile leave a gap, which verify reports: records were lost)."""
-        keys = self._keys(stream, records)
+        keys = self._keys(Stream(stream), records)
 
         def lost() -> None:  # may run on the backend's I/O thread: never waits for a key lock
             with self._guard:
@@ -114,10 +114,12 @@ class ChainWriter:
 
     @staticmethod
     def _keys(stream: Stream, records: Sequence[Envelope]) -> list[tuple[str, Stream, str]]:
+        if len(records) == 1:  # the common case, kept cheap
+            return [(records[0].job_id, stream, records[0].source)]
         job_ids = {record.job_id for record in records}
         if len(job_ids) != 1:
             raise ValueError(f"a batch holds the records of one job, not {sorted(job_ids)}")
-        return sorted({(record.job_id, Stream(stream), record.source) for record in records})
+        return sorted({(record.job_id, stream, record.source) for record in records})
 
     def _restart(self, key: tuple[str, Stream, str]) -> None:
         """The key's chain goes on under a new writer id (its lock is held)."""
@@ -125,16 +127,17 @@ class ChainWriter:
         self._restarts[key] += 1
 
     def _linked(self, stream: Stream, records: Sequence[Envelope], store: Callable[..., T]) -> T:
-        keys = self._keys(stream, records)
         stream = Stream(stream)
+        keys = self._keys(stream, records)
         locks = [self._lock(key) for key in keys]  # in one order: no two batches deadlock
         for lock in locks:
             lock.acquire()
         try:
-            with self._guard:
-                lost, self._lost = self._lost & set(keys), self._lost - set(keys)
-            for key in lost:
-                self._restart(key)
+            if self._lost:  # an unlocked peek: lost() only ever adds
+                with self._guard:
+                    lost, self._lost = self._lost & set(keys), self._lost - set(keys)
+                for key in lost:
+                    self._restart(key)
             heads = {key: self._heads.get(key) for key in keys}
             raws = []
             for record in records:

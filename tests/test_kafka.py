@@ -199,6 +199,8 @@ def test_client_settings_reach_kafka_python_untouched() -> None:
         assert config["bootstrap_timeout_ms"] == 2500
     assert (producer["linger_ms"], producer["compression_type"]) == (5, "gzip")
     assert (producer["acks"], producer["enable_idempotence"]) == ("all", True)
+    # kafka-python refuses a delivery timeout below request timeout + linger
+    assert producer["delivery_timeout_ms"] >= producer["request_timeout_ms"] + 5
     assert consumer["fetch_max_wait_ms"] == 100
     assert "linger_ms" not in consumer and "fetch_max_wait_ms" not in producer
     assert "p&ss" not in redact(url) and "sasl_plain_password=***" in redact(url)
