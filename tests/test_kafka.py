@@ -15,6 +15,7 @@ import pytest
 from kafka.admin import KafkaAdminClient
 from kafka_fixture import INDEPENDENT_CLIENTS, fresh_prefix, kafka_url, read_topic
 
+from flashrecovery.chain import verify as verify_chains
 from flashrecovery.cli import main
 from flashrecovery.connectors import open_log
 from flashrecovery.connectors.kafka import KafkaSettings, redact
@@ -115,6 +116,45 @@ def test_broker_restart_mid_run_loses_and_duplicates_nothing() -> None:
     finally:
         broker.stop()
     assert broker.run_dir is None
+
+
+def test_records_handed_over_while_the_broker_is_down_are_stored_once_when_it_returns() -> None:
+    """append_async never waits for the broker: while it is down the records wait in the
+    producer and are stored once each, in order, when it returns. With a bound shorter than the
+    outage they are lost: flush says so, and the writer's chain goes on under a new id."""
+    broker = KafkaBroker()
+    try:
+        bootstrap = broker.start()
+        url = kafka_url(bootstrap, timeout_s=WAIT_S)
+        impatient_url = url.replace(f"timeout_s={WAIT_S}", "timeout_s=2")
+        with open_log(url) as log, open_log(impatient_url) as impatient:
+            log.append(Stream.EVENTS, heartbeat("job", 0))
+            impatient.append(Stream.EVENTS, heartbeat("other-job", 0))
+            broker.stop(keep_data=True)
+            for step in range(1, 6):
+                started = time.monotonic()
+                log.append_async(Stream.EVENTS, heartbeat("job", step))
+                assert time.monotonic() - started < 1  # handed over, not acknowledged
+            impatient.append_async(Stream.EVENTS, heartbeat("other-job", 1))
+            with pytest.raises(LogError, match=r"1 record\(s\) .* not stored \(lost\)"):
+                impatient.flush(timeout=WAIT_S)  # its 2 s delivery bound passes first
+            assert broker.start() == bootstrap  # same data dir, same port
+            log.flush(timeout=WAIT_S)
+            impatient.append(Stream.EVENTS, heartbeat("other-job", 2))
+
+            entries = log.read(Stream.EVENTS, "job")
+            assert [e.record.step for e in entries if isinstance(e.record, Heartbeat)] == list(
+                range(6)
+            )
+            others = impatient.read(Stream.EVENTS, "other-job")
+        chains = [e.record.chain for e in others if isinstance(e.record, Heartbeat)]
+        assert [e.record.step for e in others if isinstance(e.record, Heartbeat)] == [0, 2]
+        assert chains[0] is not None and chains[1] is not None
+        assert chains[1].writer != chains[0].writer and chains[1].seq == 0
+        assert verify_chains({Stream.EVENTS: entries}).ok
+        assert verify_chains({Stream.EVENTS: others}).ok
+    finally:
+        broker.stop()
 
 
 def test_an_unreachable_broker_is_a_clear_error_within_the_bound() -> None:
