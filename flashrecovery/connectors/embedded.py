@@ -14,6 +14,10 @@ Why it is safe with many processes appending and following at once:
 - ``synchronous=FULL`` fsyncs the WAL on every commit, so a record survives a power loss once
   ``append`` has returned (NORMAL would only survive a process crash, and the engine acts on a
   decision's position as soon as it is written); the cost is a fraction of a millisecond here.
+- ``append_many`` is one transaction, one fsync; ``append_async`` queues for a group committer
+  (connectors/group_commit.py) that commits what queued meanwhile in one transaction: durable
+  once ``flush`` returns, lost if the process dies first (docs/kafka.md, "what each write
+  promises").
 
 Positions are the AUTOINCREMENT rowid of the stream's table: strictly increasing, never reused,
 not dense per job.
