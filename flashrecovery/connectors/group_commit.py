@@ -52,7 +52,8 @@ class GroupCommitter:
                 raise LogError("the log is closed: nothing more can be handed over")
             self._queue.append(batch)
             self._queued += 1
-            self._changed.notify_all()
+            if len(self._queue) == 1:  # the committer waits only on an empty queue
+                self._changed.notify_all()
 
     @property
     def pending(self) -> bool:

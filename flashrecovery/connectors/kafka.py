@@ -221,6 +221,7 @@ class KafkaLog(LogConnector):
         self._consumers: list[KafkaConsumer] = []
         self._consumers_lock = threading.Lock()
         self._partitions: dict[str, list[int]] = {}
+        self._partition_of: dict[tuple[str, bytes], int] = {}
         self._producer: KafkaProducer | None = None
         self._unsent: list[BaseException] = []  # why append_async records were lost, for flush
         self._unsent_lock = threading.Lock()
@@ -264,16 +265,21 @@ class KafkaLog(LogConnector):
         return _failing_as_log_error(what, self.settings.bootstrap)
 
     def _partition(self, topic: str, key: bytes) -> int:
-        """The key's partition as Kafka's default partitioner picks it (so reads find it)."""
-        if topic not in self._partitions:
-            found = (
-                self._consumer.partitions_for_topic(topic)
-                if self._producer is None
-                else self._producer.partitions_for(topic)
-            )
-            self._partitions[topic] = sorted(found)
-        partitions = self._partitions[topic]
-        return partitions[(murmur2(key) & 0x7FFFFFFF) % len(partitions)]
+        """The key's partition as Kafka's default partitioner picks it (so reads find it);
+        remembered, since murmur2 runs in Python and a writer asks once per record."""
+        partition = self._partition_of.get((topic, key))
+        if partition is None:
+            if topic not in self._partitions:
+                found = (
+                    self._consumer.partitions_for_topic(topic)
+                    if self._producer is None
+                    else self._producer.partitions_for(topic)
+                )
+                self._partitions[topic] = sorted(found)
+            partitions = self._partitions[topic]
+            partition = partitions[(murmur2(key) & 0x7FFFFFFF) % len(partitions)]
+            self._partition_of[(topic, key)] = partition
+        return partition
 
     def append_raw(self, stream: Stream, job_id: str, raw: bytes) -> int:
         [offset] = self.append_raw_many(stream, job_id, [raw])
