@@ -36,6 +36,7 @@ _CLIENT_DEFAULTS: dict[str, Mapping[str, Any]] = {
     name: client.DEFAULT_CONFIG for name, client in _CLIENTS.items()
 }
 RECONNECT_BACKOFF_MAX_MS = 1000
+PRODUCER_LINGER_MS = 5
 PRODUCER_BATCH_BYTES = 512 * 1024
 CONSUMER_POLL_RECORDS = 5000
 CONSUMER_FETCH_BYTES = 8 * 1024 * 1024
@@ -120,6 +121,7 @@ class KafkaSettings:
     def config(self, client: str) -> dict[str, Any]:
         """The kwargs for one kafka-python client: our defaults, then the user's settings."""
         bound_ms = int(self.timeout_s * 1000)
+        linger_ms = self.clients["producer"].get("linger_ms", PRODUCER_LINGER_MS)
         ours: dict[str, Any] = {
             "bootstrap_servers": self.bootstrap.split(","),
             "client_id": f"flashrecovery-{client}",
@@ -135,13 +137,14 @@ class KafkaSettings:
                 "acks": "all",
                 "enable_idempotence": True,
                 "max_block_ms": bound_ms,
-                # kafka-python wants it at least request timeout + linger (a user's linger_ms).
-                "delivery_timeout_ms": bound_ms + self.clients[client].get("linger_ms", 0),
-                # No linger: a writer waiting for its acknowledgement must not wait for company
-                # too. Batches form anyway from what queues while a request is in flight, and a
-                # big batch means one wake-up of the producer's I/O thread per batch, not per
-                # 50 records (bench/kafka_throughput.py). Below the broker's 1 MB message limit.
-                "linger_ms": 0,
+                # kafka-python wants it at least request timeout + linger.
+                "delivery_timeout_ms": bound_ms + linger_ms,
+                # Records handed over without waiting (append_async) linger a little to go out
+                # in bigger batches: fewer requests, less CPU per record. A writer that waits
+                # (append, append_many) flushes, so it never waits for the linger. A big batch
+                # means one wake-up of the producer's I/O thread per batch, not per 50 records
+                # (bench/kafka_throughput.py); below the broker's 1 MB message limit.
+                "linger_ms": linger_ms,
                 "batch_size": PRODUCER_BATCH_BYTES,
             }
         elif client == "consumer":
@@ -290,8 +293,7 @@ class KafkaLog(LogConnector):
         idempotent as ever), then wait once for every acknowledgement."""
         futures = self._send(stream, job_id, raws)
         with self._failing(f"appending to {self.settings.topic(stream)}"):
-            if len(futures) > 1:
-                self._producer_or_fail().flush()  # no linger: the batch goes out now
+            self._producer_or_fail().flush()  # no linger: out now (with what others queued)
             # The producer settles every send within its delivery timeout: wait that long so
             # the answer is final (a give-up earlier could be stored later and then retried).
             wait_s = self._producer_or_fail().config["delivery_timeout_ms"] / 1000 + 5
