@@ -1,21 +1,21 @@
 """Throughput of the Kafka log through the connector, on a broker this script starts itself.
 
-Run ``python bench/kafka_throughput.py [--records N] [--bootstrap HOST:PORT]``. It times the
-broker's start, then runs the same phases as ``log_throughput.py`` (append from one writer and
-from several processes, read, follow) on fresh topics, writes
-``bench/results/kafka_throughput.json`` and prints a table. It measures, it asserts nothing.
+Run ``python bench/kafka_throughput.py [--records N] [--rounds R] [--bootstrap HOST:PORT]
+[--quick]``. It times the broker's start, then runs the phases of ``log_throughput.py`` (writes
+one by one, in batches and without waiting; from several processes; reads; a follower) on fresh
+topics, in interleaved rounds, and writes ``bench/results/kafka_throughput.json``, a PNG and a
+table. ``--setting producer.linger_ms=5`` (repeatable) passes a connector setting, to compare
+tunings. It measures, it asserts nothing.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 import uuid
 from pathlib import Path
 
-from log_throughput import render, run  # the shared phases (bench/ is on sys.path as a script)
-from rich.console import Console
+from log_throughput import add_arguments, apply_quick, publish, run  # bench/ is on sys.path
 
 from flashrecovery.connectors.kafka_broker import KAFKA_VERSION, KafkaBroker, ensure_jars
 
@@ -24,12 +24,13 @@ RESULTS = Path(__file__).resolve().parent / "results" / "kafka_throughput.json"
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--records", type=int, default=4000, help="records per phase")
-    parser.add_argument("--writers", type=int, default=4, help="writer processes")
+    add_arguments(parser)
+    parser.set_defaults(out=RESULTS)
     parser.add_argument("--partitions", type=int, default=1, help="partitions per topic")
     parser.add_argument("--bootstrap", help="an already running broker (default: start one)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="where to write the JSON")
+    parser.add_argument("--setting", action="append", default=[], help="NAME=VALUE for the URL")
     args = parser.parse_args()
+    apply_quick(args)
     broker = None if args.bootstrap else KafkaBroker()
     try:
         start_s = None
@@ -39,19 +40,15 @@ def main() -> None:
             args.bootstrap = broker.start()
             start_s = time.monotonic() - started
         prefix = f"bench{uuid.uuid4().hex[:8]}."
-        url = f"kafka://{args.bootstrap}?topic_prefix={prefix}&partitions={args.partitions}"
-        report = run(url, args.records, args.writers)
+        query = "&".join([f"topic_prefix={prefix}", f"partitions={args.partitions}", *args.setting])
+        report = run(f"kafka://{args.bootstrap}?{query}", args.records, args.writers, args.rounds)
     finally:
         if broker is not None:
             broker.stop()
     report["kafka"] = {"version": KAFKA_VERSION, "broker_start_s": start_s}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    console = Console()
-    console.print(render(report))
+    publish(report, args.out)
     if start_s is not None:
-        console.print(f"broker start (format + JVM until serving): {start_s:.1f} s")
-    console.print(f"written to {args.out}")
+        print(f"broker start (format + JVM until serving): {start_s:.1f} s")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from flashrecovery.records import (
     ChainHead,
@@ -41,6 +41,9 @@ if TYPE_CHECKING:
 
 Store = Callable[[Stream, str, bytes], int]  # (stream, job id, raw) -> position
 StoreMany = Callable[[Stream, str, list[bytes]], list[int]]  # one durable batch -> positions
+# (stream, job id, raws, lost): hand a batch over without waiting; call lost() if it is lost.
+Send = Callable[[Stream, str, list[bytes], Callable[[], None]], None]
+T = TypeVar("T")
 
 
 def digest(raw: bytes) -> str:
@@ -69,6 +72,7 @@ class ChainWriter:
         # A failed store may still have stored part of its batch (an acknowledgement lost on
         # the way): the writer's chain then goes on under a new writer id instead of forking.
         self._restarts: Counter[tuple[str, Stream, str]] = Counter()
+        self._lost: set[tuple[str, Stream, str]] = set()  # published, then lost: restart them
 
     def _lock(self, key: tuple[str, Stream, str]) -> threading.Lock:
         with self._guard:
@@ -93,15 +97,47 @@ class ChainWriter:
     ) -> list[int]:
         """Link a batch of one job's records in order (each writer's chain runs through it),
         store it as one, and advance the heads once it is stored."""
+        return self._linked(stream, records, store)
+
+    def publish(self, stream: Stream, records: Sequence[Envelope], send: Send) -> None:
+        """Link a batch and hand it to ``send``, which does not wait for it to be stored. If
+        ``send`` finds out later that the batch was lost it calls the ``lost`` it was given: the
+        writers' chains then go on under new writer ids from their next record (the records
+        linked meanwhile leave a gap, which verify reports: records were lost)."""
+        keys = self._keys(Stream(stream), records)
+
+        def lost() -> None:  # may run on the backend's I/O thread: never waits for a key lock
+            with self._guard:
+                self._lost.update(keys)
+
+        self._linked(stream, records, lambda s, job, raws: send(s, job, raws, lost))
+
+    @staticmethod
+    def _keys(stream: Stream, records: Sequence[Envelope]) -> list[tuple[str, Stream, str]]:
+        if len(records) == 1:  # the common case, kept cheap
+            return [(records[0].job_id, stream, records[0].source)]
         job_ids = {record.job_id for record in records}
         if len(job_ids) != 1:
             raise ValueError(f"a batch holds the records of one job, not {sorted(job_ids)}")
+        return sorted({(record.job_id, stream, record.source) for record in records})
+
+    def _restart(self, key: tuple[str, Stream, str]) -> None:
+        """The key's chain goes on under a new writer id (its lock is held)."""
+        self._heads.pop(key, None)
+        self._restarts[key] += 1
+
+    def _linked(self, stream: Stream, records: Sequence[Envelope], store: Callable[..., T]) -> T:
         stream = Stream(stream)
-        keys = sorted({(record.job_id, stream, record.source) for record in records})
+        keys = self._keys(stream, records)
         locks = [self._lock(key) for key in keys]  # in one order: no two batches deadlock
         for lock in locks:
             lock.acquire()
         try:
+            if self._lost:  # an unlocked peek: lost() only ever adds
+                with self._guard:
+                    lost, self._lost = self._lost & set(keys), self._lost - set(keys)
+                for key in lost:
+                    self._restart(key)
             heads = {key: self._heads.get(key) for key in keys}
             raws = []
             for record in records:
@@ -117,17 +153,16 @@ class ChainWriter:
                 raws.append(raw)
                 heads[key] = _Head(link.seq, digest(raw))
             try:
-                positions = store(stream, records[0].job_id, raws)
+                stored = store(stream, records[0].job_id, raws)
             except BaseException:
                 for key in keys:
-                    self._heads.pop(key, None)
-                    self._restarts[key] += 1
+                    self._restart(key)
                 raise
             self._heads.update({key: head for key, head in heads.items() if head is not None})
         finally:
             for lock in reversed(locks):
                 lock.release()
-        return positions
+        return stored
 
 
 # ------------------------------------------------------------------ verifying

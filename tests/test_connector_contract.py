@@ -19,6 +19,7 @@ import pytest
 
 from flashrecovery.chain import verify as verify_chains
 from flashrecovery.connectors import Entry, LogConnector, open_log
+from flashrecovery.errors import LogError
 from flashrecovery.records import (
     Envelope,
     Heartbeat,
@@ -106,6 +107,37 @@ def test_a_batch_is_stored_in_order_between_single_appends_and_chained(log: LogC
     with pytest.raises(ValueError, match="one job"):
         log.append_many(EVENTS, [heartbeat("job", 42), heartbeat("other", 42)])
     assert len(log.read(EVENTS, "job")) == len(entries)  # the refused batch stored nothing
+
+
+def test_records_handed_over_without_waiting_are_stored_in_the_writers_order(
+    log: LogConnector,
+) -> None:
+    """append_async and append of one writer interleaved: after flush, every record is there
+    once, in call order, and the writer's chain runs through both kinds."""
+    written: list[Heartbeat] = []
+    for step in range(60):
+        record = heartbeat("job", step)
+        written.append(record)
+        if step % 20 == 19:
+            log.append(EVENTS, record)  # a writer that needs its record stored now
+        else:
+            log.append_async(EVENTS, record)
+    log.flush(timeout=WAIT_S)
+    entries = log.read(EVENTS, "job")
+    assert records_of(entries) == written
+    assert all(e.error is None for e in entries)
+    assert verify_chains({EVENTS: entries}).ok
+
+
+def test_close_stores_what_was_handed_over(persistent_log_url: str) -> None:
+    records = [heartbeat("job", step) for step in range(50)]
+    with open_log(persistent_log_url) as writer:
+        for record in records:
+            writer.append_async(EVENTS, record)
+    with open_log(persistent_log_url) as reader:
+        assert records_of(reader.read(EVENTS, "job")) == records
+    with pytest.raises(LogError):
+        writer.append_async(EVENTS, heartbeat("job", 50))  # closed: refused at once
 
 
 def test_read_from_position_and_limit(log: LogConnector) -> None:

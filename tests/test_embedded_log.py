@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from flashrecovery.chain import verify as verify_chains
 from flashrecovery.connectors import open_log
 from flashrecovery.connectors.embedded import EmbeddedLog
 from flashrecovery.errors import LogError
@@ -137,3 +138,32 @@ def test_each_thread_has_its_own_connection_and_close_ends_them_all(tmp_path: Pa
         thread.join(30)
     with open_log(f"sqlite://{tmp_path}/run.db") as again:
         assert len(again.read(Stream.EVENTS, "job")) == 1
+
+
+def test_a_group_commit_that_fails_is_reported_lost_and_its_writers_chain_restarts(
+    tmp_path: Path,
+) -> None:
+    """Another connection holds the write lock past the busy timeout: the queued record is not
+    stored, flush says so, and the writer's next record starts a new chain instead of leaving
+    a gap in the old one."""
+    path = tmp_path / "run.db"
+    with open_log(f"sqlite://{path}?timeout=0.2") as log:
+        log.append(Stream.EVENTS, heartbeat(0))
+        blocker = sqlite3.connect(path, isolation_level=None)
+        blocker.execute("BEGIN IMMEDIATE")
+        try:
+            log.append_async(Stream.EVENTS, heartbeat(1))
+            with pytest.raises(LogError, match=r"1 batch\(es\) .* not stored \(lost\).*locked"):
+                log.flush(timeout=30)
+        finally:
+            blocker.execute("ROLLBACK")
+            blocker.close()
+        log.flush(timeout=30)  # reported once
+        log.append(Stream.EVENTS, heartbeat(2))
+        entries = log.read(Stream.EVENTS, "job")
+    records = [e.record for e in entries if isinstance(e.record, Heartbeat)]
+    assert [r.step for r in records] == [0, 2]
+    first, after = (r.chain for r in records)
+    assert first is not None and after is not None
+    assert after.writer != first.writer and after.seq == 0
+    assert verify_chains({Stream.EVENTS: entries}).ok

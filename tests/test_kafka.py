@@ -3,11 +3,13 @@ loses and duplicates nothing, a dead broker fails fast, and client settings pass
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -15,8 +17,9 @@ import pytest
 from kafka.admin import KafkaAdminClient
 from kafka_fixture import INDEPENDENT_CLIENTS, fresh_prefix, kafka_url, read_topic
 
+from flashrecovery.chain import verify as verify_chains
 from flashrecovery.cli import main
-from flashrecovery.connectors import open_log
+from flashrecovery.connectors import LogConnector, open_log
 from flashrecovery.connectors.kafka import KafkaSettings, redact
 from flashrecovery.connectors.kafka_broker import KafkaBroker, free_port
 from flashrecovery.errors import LogError
@@ -81,40 +84,79 @@ def test_jobs_keep_their_order_across_partitions(kafka_bootstrap: str) -> None:
         assert log.jobs() == jobs
 
 
-def test_broker_restart_mid_run_loses_and_duplicates_nothing() -> None:
+@contextlib.contextmanager
+def restartable() -> Iterator[tuple[KafkaBroker, LogConnector, LogConnector]]:
+    """A broker of the test's own (stopped at the end), a patient log on it and an impatient
+    one (a 2 s bound)."""
     broker = KafkaBroker()
     try:
-        bootstrap = broker.start()
-        url = kafka_url(bootstrap, timeout_s=WAIT_S)
+        url = kafka_url(broker.start(), timeout_s=WAIT_S)
         impatient_url = url.replace(f"timeout_s={WAIT_S}", "timeout_s=2")
         with open_log(url) as log, open_log(impatient_url) as impatient:
-            acked = [(log.append(Stream.EVENTS, heartbeat("job", s)), s) for s in range(5)]
-            broker.stop(keep_data=True)
-
-            # While it is down: a short bound fails clearly and promptly …
-            for call in (
-                lambda: impatient.append(Stream.EVENTS, heartbeat("other-job", 0)),
-                lambda: impatient.read(Stream.EVENTS, "job"),
-            ):
-                started = time.monotonic()
-                with pytest.raises(LogError, match="Kafka at"):
-                    call()
-                assert time.monotonic() - started < 2 + 6
-            # … and a patient append waits for the broker to come back.
-            with ThreadPoolExecutor(1) as pool:
-                pending = pool.submit(log.append, Stream.EVENTS, heartbeat("job", 5))
-                assert not pending.done()  # nothing can acknowledge it now
-                assert broker.start() == bootstrap  # same data dir, same port
-                acked.append((pending.result(timeout=WAIT_S), 5))
-            acked += [(log.append(Stream.EVENTS, heartbeat("job", s)), s) for s in range(6, 10)]
-
-            entries = log.read(Stream.EVENTS, "job")
-            steps = [e.record.step for e in entries if isinstance(e.record, Heartbeat)]
-            assert steps == list(range(10))  # exactly once each, in order
-            assert [e.position for e in entries] == [position for position, _ in acked]
+            yield broker, log, impatient
     finally:
         broker.stop()
+
+
+def test_broker_restart_mid_run_loses_and_duplicates_nothing() -> None:
+    with restartable() as (broker, log, impatient):
+        bootstrap = broker.bootstrap
+        acked = [(log.append(Stream.EVENTS, heartbeat("job", s)), s) for s in range(5)]
+        broker.stop(keep_data=True)
+
+        # While it is down: a short bound fails clearly and promptly …
+        for call in (
+            lambda: impatient.append(Stream.EVENTS, heartbeat("other-job", 0)),
+            lambda: impatient.read(Stream.EVENTS, "job"),
+        ):
+            started = time.monotonic()
+            with pytest.raises(LogError, match="Kafka at"):
+                call()
+            assert time.monotonic() - started < 2 + 6
+        # … and a patient append waits for the broker to come back.
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(log.append, Stream.EVENTS, heartbeat("job", 5))
+            assert not pending.done()  # nothing can acknowledge it now
+            assert broker.start() == bootstrap  # same data dir, same port
+            acked.append((pending.result(timeout=WAIT_S), 5))
+        acked += [(log.append(Stream.EVENTS, heartbeat("job", s)), s) for s in range(6, 10)]
+
+        entries = log.read(Stream.EVENTS, "job")
+        steps = [e.record.step for e in entries if isinstance(e.record, Heartbeat)]
+        assert steps == list(range(10))  # exactly once each, in order
+        assert [e.position for e in entries] == [position for position, _ in acked]
     assert broker.run_dir is None
+
+
+def test_records_handed_over_while_the_broker_is_down_are_stored_once_when_it_returns() -> None:
+    """append_async never waits for the broker: while it is down the records wait in the
+    producer and are stored once each, in order, when it returns. With a bound shorter than the
+    outage they are lost: flush says so, and the writer's chain goes on under a new id."""
+    with restartable() as (broker, log, impatient):
+        bootstrap = broker.bootstrap
+        log.append(Stream.EVENTS, heartbeat("job", 0))
+        impatient.append(Stream.EVENTS, heartbeat("other-job", 0))
+        broker.stop(keep_data=True)
+        for step in range(1, 6):
+            started = time.monotonic()
+            log.append_async(Stream.EVENTS, heartbeat("job", step))
+            assert time.monotonic() - started < 1  # handed over, not acknowledged
+        impatient.append_async(Stream.EVENTS, heartbeat("other-job", 1))
+        with pytest.raises(LogError, match=r"1 record\(s\) .* not stored \(lost\)"):
+            impatient.flush(timeout=WAIT_S)  # its 2 s delivery bound passes first
+        assert broker.start() == bootstrap  # same data dir, same port
+        log.flush(timeout=WAIT_S)
+        impatient.append(Stream.EVENTS, heartbeat("other-job", 2))
+
+        entries = log.read(Stream.EVENTS, "job")
+        others = impatient.read(Stream.EVENTS, "other-job")
+    assert [e.record.step for e in entries if isinstance(e.record, Heartbeat)] == list(range(6))
+    chains = [e.record.chain for e in others if isinstance(e.record, Heartbeat)]
+    assert [e.record.step for e in others if isinstance(e.record, Heartbeat)] == [0, 2]
+    assert chains[0] is not None and chains[1] is not None
+    assert chains[1].writer != chains[0].writer and chains[1].seq == 0
+    assert verify_chains({Stream.EVENTS: entries}).ok
+    assert verify_chains({Stream.EVENTS: others}).ok
 
 
 def test_an_unreachable_broker_is_a_clear_error_within_the_bound() -> None:
@@ -199,6 +241,8 @@ def test_client_settings_reach_kafka_python_untouched() -> None:
         assert config["bootstrap_timeout_ms"] == 2500
     assert (producer["linger_ms"], producer["compression_type"]) == (5, "gzip")
     assert (producer["acks"], producer["enable_idempotence"]) == ("all", True)
+    # kafka-python refuses a delivery timeout below request timeout + linger
+    assert producer["delivery_timeout_ms"] >= producer["request_timeout_ms"] + 5
     assert consumer["fetch_max_wait_ms"] == 100
     assert "linger_ms" not in consumer and "fetch_max_wait_ms" not in producer
     assert "p&ss" not in redact(url) and "sasl_plain_password=***" in redact(url)

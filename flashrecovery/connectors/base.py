@@ -8,7 +8,7 @@ decision's ``caused_by`` and ``replay --until`` refer to.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from flashrecovery.chain import ChainWriter
@@ -57,6 +57,26 @@ class LogConnector(ABC):
         """Store a batch of bytes; backends that can commit a batch at once override this."""
         return [self.append_raw(stream, job_id, raw) for raw in raws]
 
+    def append_async(self, stream: Stream, record: Envelope) -> None:
+        """Hand the record over and go on without waiting for it to be stored: for a writer
+        that does not act on the record being stored (a heartbeat: losing one is what the
+        detector tolerates). It is stored after this handle's earlier records of its writer and
+        before its later ones, and durable once ``flush`` (or ``close``) has returned; one the
+        log could not store is lost, and the next ``flush`` raises a LogError saying so. A
+        LogError now means the log refused it at once (closed, or a full buffer)."""
+        self._chains.publish(stream, [record], self.send_raw_many)
+
+    def send_raw_many(
+        self, stream: Stream, job_id: str, raws: list[bytes], lost: Callable[[], None]
+    ) -> None:
+        """Hand a batch of bytes over without waiting (``lost()`` if it turns out not stored);
+        backends that cannot do better store it at once."""
+        self.append_raw_many(stream, job_id, raws)
+
+    def flush(self, timeout: float | None = None) -> None:  # noqa: B027 - nothing pending
+        """Wait until every record handed to ``append_async`` is stored; a LogError if some
+        could not be (they are lost) or ``timeout`` seconds passed first."""
+
     def chain_head(self, job_id: str, stream: Stream, source: str) -> str | None:
         """SHA-256 of the last record this handle appended for ``source`` in the job's stream."""
         return self._chains.head(job_id, stream, source)
@@ -82,7 +102,8 @@ class LogConnector(ABC):
         """Ids of the jobs that have at least one record, sorted."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
-        """Release connections; the stored records stay."""
+        """Store what ``append_async`` handed over (as far as the log takes it), release
+        connections; the stored records stay."""
 
     def __enter__(self) -> LogConnector:
         return self

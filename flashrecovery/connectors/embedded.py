@@ -14,6 +14,10 @@ Why it is safe with many processes appending and following at once:
 - ``synchronous=FULL`` fsyncs the WAL on every commit, so a record survives a power loss once
   ``append`` has returned (NORMAL would only survive a process crash, and the engine acts on a
   decision's position as soon as it is written); the cost is a fraction of a millisecond here.
+- ``append_many`` is one transaction, one fsync; ``append_async`` queues for a group committer
+  (connectors/group_commit.py) that commits what queued meanwhile in one transaction: durable
+  once ``flush`` returns, lost if the process dies first (docs/kafka.md, "what each write
+  promises").
 
 Positions are the AUTOINCREMENT rowid of the stream's table: strictly increasing, never reused,
 not dense per job.
@@ -25,13 +29,14 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, unquote
 
 from flashrecovery.connectors.base import Entry, LogConnector
+from flashrecovery.connectors.group_commit import Batch, GroupCommitter
 from flashrecovery.errors import LogError
 from flashrecovery.records import Stream
 
@@ -128,6 +133,8 @@ class EmbeddedLog(LogConnector):
         self._connections: list[_Connection] = []
         self._registry = threading.Lock()
         self._closed = False
+        self._committer: GroupCommitter | None = None  # started by the first append_async
+        self._committer_pid = os.getpid()
         self._connection()  # create the file and schema now, so a bad path fails at open
 
     @classmethod
@@ -245,25 +252,68 @@ class EmbeddedLog(LogConnector):
         return position
 
     def append_raw_many(self, stream: Stream, job_id: str, raws: list[bytes]) -> list[int]:
-        """One transaction, so one fsync, for the whole batch."""
-        table = Stream(stream).value
-        positions: list[int] = []
+        """One transaction, so one fsync, for the whole batch; after what this handle's
+        ``append_async`` queued (a writer's records lie in the log in its order)."""
+        committer = self._committer_of_this_process()
+        if committer is not None and committer.pending:
+            committer.flush(self.timeout)
+        [positions] = self._insert([(Stream(stream), job_id, raws)])
+        return positions
+
+    def send_raw_many(
+        self, stream: Stream, job_id: str, raws: list[bytes], lost: Callable[[], None]
+    ) -> None:
+        """Queue for the group committer (connectors/group_commit.py): whatever queues while
+        it commits is committed next, together, in one transaction."""
+        committer = self._committer_of_this_process()
+        if committer is None:
+            if self._closed:
+                raise LogError(f"log {self.url} is closed")
+            committer = GroupCommitter(self._commit_group, name="flashrecovery-group-commit")
+            self._committer = committer
+        committer.put(Batch(Stream(stream), job_id, list(raws), lost))
+
+    def flush(self, timeout: float | None = None) -> None:
+        committer = self._committer_of_this_process()
+        if committer is not None:
+            committer.flush(timeout)
+
+    def _committer_of_this_process(self) -> GroupCommitter | None:
+        """A committer thread does not survive fork: a child queues to its own."""
+        with self._registry:
+            if self._committer is not None and self._committer_pid != os.getpid():
+                self._committer = None
+            if self._committer is None:
+                self._committer_pid = os.getpid()
+            return self._committer
+
+    def _commit_group(self, group: list[Batch]) -> None:
+        self._insert([(batch.stream, batch.job_id, batch.raws) for batch in group])
+
+    def _insert(self, batches: list[tuple[Stream, str, list[bytes]]]) -> list[list[int]]:
+        """Insert each (stream, job, raws) in one transaction; the positions per batch."""
+        out: list[list[int]] = []
         with self._db() as db:
             db.execute("BEGIN IMMEDIATE")
             try:
-                for raw in raws:
-                    cursor = db.execute(
-                        f"INSERT INTO {table} (job_id, raw) VALUES (?, ?)", (job_id, bytes(raw))
-                    )
-                    assert cursor.lastrowid is not None
-                    positions.append(cursor.lastrowid)
-                db.execute("INSERT OR IGNORE INTO jobs (job_id) VALUES (?)", (job_id,))
+                for stream, job_id, raws in batches:
+                    positions = []
+                    for raw in raws:
+                        cursor = db.execute(
+                            f"INSERT INTO {stream.value} (job_id, raw) VALUES (?, ?)",
+                            (job_id, bytes(raw)),
+                        )
+                        assert cursor.lastrowid is not None
+                        positions.append(cursor.lastrowid)
+                    out.append(positions)
+                for job_id in {job_id for _, job_id, _ in batches}:
+                    db.execute("INSERT OR IGNORE INTO jobs (job_id) VALUES (?)", (job_id,))
                 db.execute("COMMIT")
             except BaseException:
                 if db.in_transaction:
                     db.execute("ROLLBACK")
                 raise
-        return positions
+        return out
 
     def read(
         self, stream: Stream, job_id: str, from_position: int = 0, limit: int | None = None
@@ -305,6 +355,9 @@ class EmbeddedLog(LogConnector):
     def close(self) -> None:
         """Close every thread's connection (waiting out a query in flight); later use is a
         LogError. The file and its records stay."""
+        committer = self._committer_of_this_process()
+        if committer is not None:  # commit what append_async queued, while connections work
+            committer.close(self.timeout)
         self._closed = True
         with self._registry:
             ended = self._release_ended()

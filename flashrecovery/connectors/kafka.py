@@ -16,7 +16,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
@@ -36,6 +36,10 @@ _CLIENT_DEFAULTS: dict[str, Mapping[str, Any]] = {
     name: client.DEFAULT_CONFIG for name, client in _CLIENTS.items()
 }
 RECONNECT_BACKOFF_MAX_MS = 1000
+PRODUCER_LINGER_MS = 5
+PRODUCER_BATCH_BYTES = 512 * 1024
+CONSUMER_POLL_RECORDS = 5000
+CONSUMER_FETCH_BYTES = 8 * 1024 * 1024
 _OWN = {"topic_prefix", "partitions", "replication_factor", "timeout_s"}
 _SECRET = re.compile(r"((?:password|token|secret)[^=&]*=)[^&]*", re.IGNORECASE)
 
@@ -117,6 +121,7 @@ class KafkaSettings:
     def config(self, client: str) -> dict[str, Any]:
         """The kwargs for one kafka-python client: our defaults, then the user's settings."""
         bound_ms = int(self.timeout_s * 1000)
+        linger_ms = self.clients["producer"].get("linger_ms", PRODUCER_LINGER_MS)
         ours: dict[str, Any] = {
             "bootstrap_servers": self.bootstrap.split(","),
             "client_id": f"flashrecovery-{client}",
@@ -132,7 +137,15 @@ class KafkaSettings:
                 "acks": "all",
                 "enable_idempotence": True,
                 "max_block_ms": bound_ms,
-                "delivery_timeout_ms": bound_ms,
+                # kafka-python wants it at least request timeout + linger.
+                "delivery_timeout_ms": bound_ms + linger_ms,
+                # Records handed over without waiting (append_async) linger a little to go out
+                # in bigger batches: fewer requests, less CPU per record. A writer that waits
+                # (append, append_many) flushes, so it never waits for the linger. A big batch
+                # means one wake-up of the producer's I/O thread per batch, not per 50 records
+                # (bench/kafka_throughput.py); below the broker's 1 MB message limit.
+                "linger_ms": linger_ms,
+                "batch_size": PRODUCER_BATCH_BYTES,
             }
         elif client == "consumer":
             ours |= {
@@ -140,6 +153,9 @@ class KafkaSettings:
                 "enable_auto_commit": False,
                 "auto_offset_reset": "earliest",
                 "allow_auto_create_topics": False,  # reading never creates (ensure_topics does)
+                # A catch-up reads in big bites: fewer fetch round trips and poll calls.
+                "max_poll_records": CONSUMER_POLL_RECORDS,
+                "max_partition_fetch_bytes": CONSUMER_FETCH_BYTES,
             }
         return ours | self.clients[client]
 
@@ -208,7 +224,10 @@ class KafkaLog(LogConnector):
         self._consumers: list[KafkaConsumer] = []
         self._consumers_lock = threading.Lock()
         self._partitions: dict[str, list[int]] = {}
+        self._partition_of: dict[tuple[str, bytes], int] = {}
         self._producer: KafkaProducer | None = None
+        self._unsent: list[BaseException] = []  # why append_async records were lost, for flush
+        self._unsent_lock = threading.Lock()
         if not read_only:
             ensure_topics(settings)
         try:
@@ -249,16 +268,21 @@ class KafkaLog(LogConnector):
         return _failing_as_log_error(what, self.settings.bootstrap)
 
     def _partition(self, topic: str, key: bytes) -> int:
-        """The key's partition as Kafka's default partitioner picks it (so reads find it)."""
-        if topic not in self._partitions:
-            found = (
-                self._consumer.partitions_for_topic(topic)
-                if self._producer is None
-                else self._producer.partitions_for(topic)
-            )
-            self._partitions[topic] = sorted(found)
-        partitions = self._partitions[topic]
-        return partitions[(murmur2(key) & 0x7FFFFFFF) % len(partitions)]
+        """The key's partition as Kafka's default partitioner picks it (so reads find it);
+        remembered, since murmur2 runs in Python and a writer asks once per record."""
+        partition = self._partition_of.get((topic, key))
+        if partition is None:
+            if topic not in self._partitions:
+                found = (
+                    self._consumer.partitions_for_topic(topic)
+                    if self._producer is None
+                    else self._producer.partitions_for(topic)
+                )
+                self._partitions[topic] = sorted(found)
+            partitions = self._partitions[topic]
+            partition = partitions[(murmur2(key) & 0x7FFFFFFF) % len(partitions)]
+            self._partition_of[(topic, key)] = partition
+        return partition
 
     def append_raw(self, stream: Stream, job_id: str, raw: bytes) -> int:
         [offset] = self.append_raw_many(stream, job_id, [raw])
@@ -267,21 +291,54 @@ class KafkaLog(LogConnector):
     def append_raw_many(self, stream: Stream, job_id: str, raws: list[bytes]) -> list[int]:
         """Send the whole batch (the producer packs it into few requests, acks=all and
         idempotent as ever), then wait once for every acknowledgement."""
-        topic, key = self.settings.topic(stream), job_id.encode()
-        if self._producer is None:
-            raise LogError(f"log {redact(self.url)} was opened read-only")
-        with self._failing(f"appending to {topic}"):
-            partition = self._partition(topic, key)
-            futures = [
-                self._producer.send(topic, value=bytes(raw), key=key, partition=partition)
-                for raw in raws
-            ]
-            if len(futures) > 1:
-                self._producer.flush()  # no linger: the batch goes out now
+        futures = self._send(stream, job_id, raws)
+        with self._failing(f"appending to {self.settings.topic(stream)}"):
+            self._producer_or_fail().flush()  # no linger: out now (with what others queued)
             # The producer settles every send within its delivery timeout: wait that long so
             # the answer is final (a give-up earlier could be stored later and then retried).
-            wait_s = self._producer.config["delivery_timeout_ms"] / 1000 + 5
+            wait_s = self._producer_or_fail().config["delivery_timeout_ms"] / 1000 + 5
             return [int(future.get(timeout=wait_s).offset) for future in futures]
+
+    def send_raw_many(
+        self, stream: Stream, job_id: str, raws: list[bytes], lost: Callable[[], None]
+    ) -> None:
+        """Into the producer's buffer and on: its I/O thread sends and retries (acks=all,
+        idempotent) while the caller goes on; a record it gives up on is counted for flush."""
+        for future in self._send(stream, job_id, raws):
+            future.add_errback(self._lost, lost)
+
+    def _lost(self, lost: Callable[[], None], exc: BaseException) -> None:
+        with self._unsent_lock:
+            self._unsent.append(exc)
+        lost()
+
+    def _send(self, stream: Stream, job_id: str, raws: list[bytes]) -> list[Any]:
+        """Hand each record to the producer (in order, to the job's partition)."""
+        topic, key = self.settings.topic(stream), job_id.encode()
+        producer = self._producer_or_fail()
+        with self._failing(f"appending to {topic}"):
+            partition = self._partition(topic, key)
+            return [
+                producer.send(topic, value=bytes(raw), key=key, partition=partition) for raw in raws
+            ]
+
+    def _producer_or_fail(self) -> KafkaProducer:
+        if self._producer is None:
+            raise LogError(f"log {redact(self.url)} was opened read-only")
+        return self._producer
+
+    def flush(self, timeout: float | None = None) -> None:
+        if self._producer is None:
+            return
+        with self._failing("flushing"):
+            self._producer.flush(timeout=timeout)
+        with self._unsent_lock:
+            unsent, self._unsent = self._unsent, []
+        if unsent:
+            raise LogError(
+                f"Kafka at {self.settings.bootstrap}: {len(unsent)} record(s) handed over "
+                f"without waiting were not stored (lost): {unsent[0]!r}"
+            )
 
     def read(
         self, stream: Stream, job_id: str, from_position: int = 0, limit: int | None = None

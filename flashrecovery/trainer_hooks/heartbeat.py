@@ -51,7 +51,8 @@ class HeartbeatThread:
                     with contextlib.suppress(OSError):
                         self._socket.sendto(dump_record(record), self._relay)
                 elif self._log is not None:
+                    # Handed over without waiting: a slow log never delays the next beat.
                     with contextlib.suppress(LogError):
-                        self._log.append(Stream.EVENTS, record)
+                        self._log.append_async(Stream.EVENTS, record)
             if self._stop.wait(self._interval_s):
                 return
