@@ -21,6 +21,7 @@ from flashrecovery.demo.job import JobSpec
 
 matplotlib.use("Agg")  # files only, never a window
 from matplotlib import pyplot as plt  # after use("Agg"): the backend must be chosen first
+from matplotlib.figure import Figure
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -64,6 +65,14 @@ def table(title: str, columns: list[str], rows: list[list[str]]) -> Table:
     return out
 
 
+def save_figure(fig: Figure, path: Path) -> Path:
+    """Lay out, write and close a figure: the last step of every bench's plot."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def stacked_bars(
     name: str, title: str, ylabel: str, labels: list[str], stacks: dict[str, list[float]]
 ) -> Path:
@@ -80,7 +89,4 @@ def stacked_bars(
     ax.set_title(title)
     ax.set_ylabel(ylabel)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import rto
-from harness import RESULTS, machine, stacked_bars, table, write_json
+from harness import RESULTS, machine, save_figure, stacked_bars, table, write_json
 from matplotlib import pyplot as plt  # harness chose the Agg backend
 from rich.console import Console
 
@@ -345,10 +345,7 @@ def plot_sim(rows: list[Any], name: str) -> Path:
         ax.set_xlabel("ranks (nodes of 8)")
         ax.set_title(label, fontsize=10)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_projection(proj: dict[str, Any], name: str) -> Path:
@@ -361,10 +358,7 @@ def plot_projection(proj: dict[str, Any], name: str) -> Path:
     ax.set_xscale("log")
     ax.set_xlabel(f"seconds at {proj['devices']:,} devices (log scale)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import RESULTS, machine, plt, table, write_json
+from harness import RESULTS, machine, plt, save_figure, table, write_json
 from log_throughput import percentile
 from rich.console import Console
 
@@ -108,10 +108,7 @@ def plot(kinds: dict[str, dict[str, Any]]) -> Path:
     ax.set_ylabel("RTO (s)")
     ax.set_title("RTO per fault kind (fault → every rank committed a new step)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def _ms(value: float | None) -> str:

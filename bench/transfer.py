@@ -30,7 +30,7 @@ from multiprocessing.queues import Queue
 from typing import Any
 
 import torch
-from harness import RESULTS, machine, table, write_json
+from harness import RESULTS, machine, save_figure, table, write_json
 from matplotlib import pyplot as plt
 from rich.console import Console
 
@@ -167,10 +167,7 @@ def _plot(results: list[dict[str, Any]]) -> Any:
     ax.set_ylabel("GB/s (median)")
     ax.set_title(f"peer state transfer on loopback (load {os.getloadavg()[0]:.1f})")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def main() -> None:
