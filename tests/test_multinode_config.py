@@ -4,11 +4,14 @@ starting anything, with a one-line reason (exit code 2)."""
 from __future__ import annotations
 
 import datetime
+import socket
 from pathlib import Path
 
 import pytest
 
 from flashrecovery.agent import rendezvous
+from flashrecovery.agent.config import Endpoint
+from flashrecovery.agent.launcher import default_node_rank
 from flashrecovery.agent.store import JobStore
 from flashrecovery.cli import main
 from flashrecovery.errors import ConfigError
@@ -92,3 +95,15 @@ def test_node_ranks_are_claimed_once_and_auto_takes_the_lowest_free() -> None:
     assert rendezvous._claim(store, None) == 1  # the same agent asking again keeps its rank
     store.keys.set("rdzv/node/3", "elsewhere:3")
     assert rendezvous._claim(store, 4) == 4
+
+
+def test_an_agent_given_no_node_rank_is_node_0_only_where_it_can_host_the_store() -> None:
+    """Omitted --node-rank: 0 for the agent that can listen on the endpoint, auto (None) for
+    one on another host or after the store is up; with a control plane, 0 as before."""
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        taken = Endpoint("127.0.0.1", held.getsockname()[1])
+        assert default_node_rank(taken, control_plane=False) is None
+        assert default_node_rank(taken, control_plane=True) == 0
+    assert default_node_rank(taken, control_plane=False) == 0  # free again
+    assert default_node_rank(Endpoint("192.0.2.1", 29500), control_plane=False) is None
+    assert default_node_rank(None, control_plane=False) == 0

@@ -47,6 +47,15 @@ class Endpoint:
     def loopback(self) -> bool:
         return is_loopback(self.host)
 
+    def free_here(self) -> bool:
+        """This host can listen on the endpoint: it is one of its addresses and nobody hosts a
+        store there yet (how an agent given no ``--node-rank`` knows it is node 0)."""
+        try:
+            with socket.create_server((self.host, self.port)):
+                return True
+        except OSError:
+            return False
+
     def __str__(self) -> str:
         return f"{self.host}:{self.port}"
 

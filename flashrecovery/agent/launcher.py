@@ -12,6 +12,8 @@ from flashrecovery.errors import ConfigError
 from flashrecovery.observe.exporter import add_metrics_port
 from flashrecovery.trainer_hooks.faults import FaultPlan
 
+NODE_RANK_OMITTED = -1  # no --node-rank given: decided by who can host the endpoint
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -26,10 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--node-rank",
         type=_node_rank,
-        default=0,
+        default=NODE_RANK_OMITTED,
         metavar="K|auto",
         help="this agent's node (0 hosts the store and the engine); auto: the lowest free one, "
-        "given at rendezvous (a node joining a running job adds its spares)",
+        "given at rendezvous (a node joining a running job adds its spares); omitted: 0 if "
+        "this host can listen on --rdzv-endpoint and nobody does yet, else auto",
     )
     parser.add_argument(
         "--rdzv-endpoint",
@@ -170,6 +173,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
 
 
+def default_node_rank(endpoint: Endpoint | None, control_plane: bool) -> int | None:
+    """No ``--node-rank``: the agent that can host the store on the endpoint is node 0, every
+    other one takes the lowest free rank, as torchrun's c10d rendezvous decides its host. A
+    control plane hosts the store itself, so there node 0 must be named (the default 0)."""
+    if endpoint is None or control_plane:
+        return 0
+    return 0 if endpoint.free_here() else None
+
+
 def _node_rank(text: str) -> int | None:
     if text == "auto":
         return None
@@ -229,7 +241,11 @@ def run(args: argparse.Namespace) -> int:
                 spare_refill=args.spare_refill,
                 metrics_port=args.metrics_port,
                 nnodes=args.nnodes,
-                node_rank=args.node_rank,
+                node_rank=(
+                    default_node_rank(args.rdzv_endpoint, args.control_plane)
+                    if args.node_rank == NODE_RANK_OMITTED
+                    else args.node_rank
+                ),
                 rdzv_endpoint=args.rdzv_endpoint,
                 spare_nodes=args.spare_nodes,
                 node_wait_s=args.node_wait,

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,11 +18,13 @@ from scrape import free_port, scrape, value
 
 from flashrecovery.agent.loopback import LoopbackNodes
 from flashrecovery.chain import handle_runs
+from flashrecovery.connectors import open_log
 from flashrecovery.engine.replay import replay_job
-from flashrecovery.records import SpareReady, Stream
+from flashrecovery.records import NodeJoined, SpareReady, Stream
 
 pytestmark = pytest.mark.timeout(300)
 WORLD = 4  # 2 nodes x 2 ranks
+SCRIPT = Path(__file__).parents[1] / "scripts" / "train_mlp.py"
 
 
 @pytest.fixture(scope="module")
@@ -234,3 +238,33 @@ def test_records_scale_with_nodes_two_nodes_of_four_ranks(tmp_path: Path) -> Non
     assert sorted(r.rank for r in finished) == list(world)
     report = replay_job(job.log, job.job_id)
     assert report.ok, report.divergence and report.divergence.describe()
+
+
+def test_agents_given_no_node_rank_find_theirs(tmp_path: Path) -> None:
+    """Two agents started with the same command and no --node-rank: the one that can host the
+    store on the endpoint is node 0 and starts the job, the other claims node 1; both finish."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    env = {**os.environ, "FLASHRECOVERY_STORE_PREFIX": "0123456789abcdef0123"}
+    log_url = f"sqlite:///{tmp_path / 'log.db'}"
+    command = [
+        sys.executable, "-m", "flashrecovery.cli", "run", "--nnodes", "2",
+        "--rdzv-endpoint", endpoint, "--nproc-per-node", "1", "--log", log_url,
+        "--job-id", "nodes-auto", str(SCRIPT), "--steps", "6", "--out", str(tmp_path),
+    ]  # fmt: skip
+    agents = [subprocess.Popen(command, env=env, start_new_session=True) for _ in range(2)]
+    try:
+        codes = [agent.wait(timeout=200) for agent in agents]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait()
+    assert codes == [0, 0]
+    with open_log(log_url) as log:
+        joined = [
+            e.record
+            for e in log.read(Stream.EVENTS, "nodes-auto")
+            if isinstance(e.record, NodeJoined)
+        ]
+    assert sorted(r.node for r in joined) == [0, 1]
+    assert sorted(p.name for p in tmp_path.glob("rank*.pt")) == ["rank0.pt", "rank1.pt"]
