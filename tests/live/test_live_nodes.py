@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -251,8 +253,12 @@ def test_agents_given_no_node_rank_find_theirs(tmp_path: Path) -> None:
         "--rdzv-endpoint", endpoint, "--nproc-per-node", "1", "--log", log_url,
         "--job-id", "nodes-auto", str(SCRIPT), "--steps", "6", "--out", str(tmp_path),
     ]  # fmt: skip
-    agents = [subprocess.Popen(command, env=env, start_new_session=True) for _ in range(2)]
+    agents = [subprocess.Popen(command, env=env, start_new_session=True)]
     try:
+        # One agent per host in real use; on this one host the second starts once the first
+        # listens (two probing in the same instant is the race docs/multinode.md names).
+        listening(endpoint, agents[0])
+        agents.append(subprocess.Popen(command, env=env, start_new_session=True))
         codes = [agent.wait(timeout=200) for agent in agents]
     finally:
         for agent in agents:
@@ -268,3 +274,16 @@ def test_agents_given_no_node_rank_find_theirs(tmp_path: Path) -> None:
         ]
     assert sorted(r.node for r in joined) == [0, 1]
     assert sorted(p.name for p in tmp_path.glob("rank*.pt")) == ["rank0.pt", "rank1.pt"]
+
+
+def listening(endpoint: str, agent: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+    """Wait until something accepts connections on ``endpoint`` (the agent's store)."""
+    host, port = endpoint.rsplit(":", 1)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and agent.poll() is None:
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise AssertionError(f"nothing listens on {endpoint} (agent exit code {agent.poll()})")
