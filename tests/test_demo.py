@@ -17,13 +17,22 @@ from typing import Any
 
 import pytest
 import torch
+from factories import JOB, T0, TYPES_BY_NAME, make
 from simworld import SimulatedWorld, drive
 
 from flashrecovery.connectors import open_log
+from flashrecovery.connectors.memory import MemoryLog
 from flashrecovery.demo.data import batch_for
 from flashrecovery.demo.job import JobSpec
 from flashrecovery.demo.results import RankResult
-from flashrecovery.demo.summary import loss_curve, process_history, sparkline, summarize
+from flashrecovery.demo.summary import (
+    loss_curve,
+    lost_with_nodes,
+    process_history,
+    sparkline,
+    step_losses,
+    summarize,
+)
 from flashrecovery.demo.train import build
 from flashrecovery.demo.watch import Kill
 from flashrecovery.engine.loop import EngineLoop
@@ -130,6 +139,30 @@ def test_loss_curve_flags_gaps_and_duplicates() -> None:
     curve = loss_curve(rolled, 2, 2, frozenset({1}))
     assert curve["continuous"] and curve["mean_loss"] == [2.0, 1.0]
     assert not loss_curve({0: [(0, 2.0), (0, 2.0), (1, 1.0)]}, 1, 2, frozenset({1}))["continuous"]
+
+
+def test_a_lost_node_may_take_its_ranks_newest_step_records_and_only_those() -> None:
+    """Node 1 (ranks 2, 3) lost after ranks 0, 1 recorded step 2 and its ranks step 1 only:
+    their step 2 records went with the node's agent; any other gap still breaks the curve."""
+    log = MemoryLog()
+    ts = iter(range(100))
+    for step, ranks in ((0, [0, 1, 2, 3]), (1, [0, 1, 2, 3]), (2, [0, 1])):
+        for rank in ranks:
+            record = make(TYPES_BY_NAME["step_completed"], record_id=f"s{step}{rank}",
+                          ts=T0 + next(ts), rank=rank, step=step)  # fmt: skip
+            log.append(Stream.EVENTS, record)
+    log.append(Stream.DECISIONS, make(TYPES_BY_NAME["isolate_node"], ts=T0 + next(ts)))
+    lost = lost_with_nodes(log, JOB)
+    assert lost == {2: {2}, 3: {2}}
+    per_rank = step_losses(log, JOB)
+    for rank in (2, 3):
+        per_rank[rank].append((3, 0.5))
+    per_rank[0].append((3, 0.5))
+    per_rank[1].append((3, 0.5))
+    curve = loss_curve(per_rank, 4, 4, frozenset(), lost)
+    assert curve["continuous"] and curve["lost_with_nodes"] == {2: [2], 3: [2]}
+    del per_rank[0][1]  # a survivor's step 1: a real gap
+    assert loss_curve(per_rank, 4, 4, frozenset(), lost)["gaps"] == {0: [1]}
 
 
 def test_summary_of_a_scripted_recovery(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from flashrecovery.observe.plot import plot_job
 from flashrecovery.records import (
     AssignSpare,
     IncidentClosed,
+    IsolateNode,
     RankJoined,
     RankRegrouped,
     RegroupPlanned,
@@ -42,17 +43,46 @@ def step_losses(log: LogConnector, job_id: str) -> StepLosses:
     return out
 
 
+def lost_with_nodes(log: LogConnector, job_id: str) -> dict[int, set[int]]:
+    """Step records a lost node may have taken with it: its agent writes its ranks' records
+    in batches, so the newest steps a rank committed and handed over, not yet written when the
+    node died, are not in the log (docs/multinode.md). Per rank of a lost node: the steps after
+    its last record up to the highest step any rank had recorded when the node was isolated."""
+    steps = [
+        e.record for e in log.read(Stream.EVENTS, job_id) if isinstance(e.record, StepCompleted)
+    ]
+    out: dict[int, set[int]] = {}
+    for entry in log.read(Stream.DECISIONS, job_id):
+        if not isinstance(loss := entry.record, IsolateNode):
+            continue
+        before = [r for r in steps if r.ts <= loss.ts]
+        top = max((r.step for r in before), default=-1)
+        for rank in loss.ranks:
+            last = max((r.step for r in before if r.rank == rank), default=-1)
+            out.setdefault(rank, set()).update(range(last + 1, top + 1))
+    return out
+
+
 def loss_curve(
-    per_rank: StepLosses, world_size: int, steps: int, rolled_back: frozenset[int] = frozenset()
+    per_rank: StepLosses,
+    world_size: int,
+    steps: int,
+    rolled_back: frozenset[int] = frozenset(),
+    lost: dict[int, set[int]] | None = None,
 ) -> dict[str, Any]:
     """Continuous means every rank committed every step exactly once (twice for a step a
-    checkpoint fallback rolled back): no gap, no duplicate. The curve is the mean over ranks
-    of each step's loss (the last commit of a step)."""
+    checkpoint fallback rolled back): no gap but the records a lost node took with it
+    (``lost``, reported apart), no duplicate. The curve is the mean over ranks of each step's
+    loss (the last commit of a step)."""
     gaps: dict[int, list[int]] = {}
+    with_nodes: dict[int, list[int]] = {}
     duplicates: dict[int, list[int]] = {}
     for rank in range(world_size):
         seen = [step for step, _ in per_rank.get(rank, [])]
-        if missing := sorted(set(range(steps)) - set(seen)):
+        absent = set(range(steps)) - set(seen)
+        if taken := sorted(absent & (lost or {}).get(rank, set())):
+            with_nodes[rank] = taken
+        if missing := sorted(absent - set(taken)):
             gaps[rank] = missing
         allowed = {s: 2 if s in rolled_back else 1 for s in seen}
         if repeated := sorted({s for s in seen if seen.count(s) > allowed[s]}):
@@ -67,6 +97,7 @@ def loss_curve(
     return {
         "continuous": not gaps and not duplicates,
         "gaps": gaps,
+        "lost_with_nodes": with_nodes,
         "duplicates": duplicates,
         "mean_loss": mean,
         "sparkline": sparkline(mean),
@@ -202,6 +233,7 @@ def summarize(
         for rank in range(spec.nproc)
     }
     per_rank = step_losses(log, spec.job_id)
+    lost = lost_with_nodes(log, spec.job_id)
     rows = found["incidents"]
     fallbacks = [r for r in rows if r["checkpoint_step"] is not None]
     rolled_back = frozenset(
@@ -229,9 +261,9 @@ def summarize(
         "pids": pids,
         "survivor_pids_unchanged": not unplanned and len(joined) == spec.nproc,
         "unplanned_pid_changes": unplanned,
-        "loss_curve": loss_curve(per_rank, spec.nproc, spec.steps, rolled_back),
+        "loss_curve": loss_curve(per_rank, spec.nproc, spec.steps, rolled_back, lost),
         "timeline": str(plot_job(log, spec.job_id, spec.run_dir / "timeline.png")),
-        "verify": None if reference is None else verify(log, spec, reference, per_rank),
+        "verify": None if reference is None else verify(log, spec, reference, per_rank, lost),
         "commands": {
             "events": f"flashrecovery events --log {shlex.quote(spec.log_url)} --job {spec.job_id}",
             "replay": f"flashrecovery replay --log {shlex.quote(spec.log_url)} --job {spec.job_id}",
@@ -252,24 +284,33 @@ def summarize(
 
 
 def verify(
-    log: LogConnector, spec: JobSpec, reference: JobSpec, per_rank: StepLosses
+    log: LogConnector,
+    spec: JobSpec,
+    reference: JobSpec,
+    per_rank: StepLosses,
+    lost: dict[int, set[int]] | None = None,
 ) -> dict[str, Any]:
     """Bitwise comparison with a fault-free run of the same seed: every rank's final
-    parameters, and every committed step's loss."""
+    parameters, and every committed step's loss (but those a lost node took with it)."""
     ours = {r: res.params_sha256 for r, res in read_results(spec.run_dir, spec.nproc).items()}
     theirs = {
         r: res.params_sha256 for r, res in read_results(reference.run_dir, reference.nproc).items()
     }
     ranks_equal = len(ours) == spec.nproc and len(set(ours.values())) == 1
     equal_to_reference = ranks_equal and len(theirs) == reference.nproc and ours == theirs
-    expected = step_losses(log, reference.job_id)
+    ours_losses = _final_losses(per_rank)
+    expected = {
+        key: loss
+        for key, loss in _final_losses(step_losses(log, reference.job_id)).items()
+        if key in ours_losses or key[1] not in (lost or {}).get(key[0], set())
+    }
     return {
         "reference_job_id": reference.job_id,
         "params_sha256": ours,
         "reference_params_sha256": theirs,
         "ranks_equal": ranks_equal,
         "equal_to_reference": equal_to_reference,
-        "losses_equal": _final_losses(per_rank) == _final_losses(expected),
+        "losses_equal": ours_losses == expected,
         "bitwise_equal": ranks_equal and equal_to_reference,
     }
 
