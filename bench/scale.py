@@ -72,7 +72,7 @@ def real(worlds: list[int], kills: int, seed: int, timeout: float, console: Cons
             )
             configs.append(
                 {
-                    **rto.aggregate(world, "hot spare", rows),
+                    **rto.aggregate(world, "hook", "hot spare", rows),
                     "loadavg_before": load,
                     "loadavg_after": os.getloadavg(),
                 }

@@ -190,7 +190,7 @@ def follow(
     while job.poll() is None and not until() and time.monotonic() < deadline:
         watch.poll(POLL_S)
         on_tick(killer.tick(watch))
-    while watch.poll(POLL_S):
-        pass  # the records written just before the agent exited
+    while job.poll() is not None and watch.poll(POLL_S):
+        pass  # the records written just before the agent exited (a running job never pauses)
     on_tick(None)
     return job.poll()
