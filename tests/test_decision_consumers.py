@@ -1,16 +1,17 @@
-"""The consumers of decisions: the agent carries each out once, the hook keeps following
-through a log outage."""
+"""The consumers of decisions: the agent carries each out once, the hook follows what its
+agent relays."""
 
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import Any
 
 from flashrecovery.agent.actions import Actions, SpawnBudget
-from flashrecovery.connectors.base import Entry
+from flashrecovery.agent.links import ProcessLinks
 from flashrecovery.connectors.memory import MemoryLog
-from flashrecovery.errors import LogError
-from flashrecovery.records import Envelope, RegroupPlanned, SpawnReplacement, Stream
+from flashrecovery.records import RegroupPlanned, SpawnReplacement
+from flashrecovery.trainer_hooks.agent_link import AgentLink
 from flashrecovery.trainer_hooks.decisions import DecisionFollower
 
 JOB = "consumers"
@@ -50,34 +51,23 @@ def test_a_decision_written_twice_is_carried_out_once() -> None:
     assert [r.type for r in reports] == ["replacement_spawned"]
 
 
-class FlakyLog(MemoryLog):
-    """A log that fails its next few follows, as a restarting broker does."""
-
-    def __init__(self, failures: int) -> None:
-        super().__init__()
-        self.failures = failures
-
-    def follow(
-        self, stream: Stream, job_id: str, from_position: int, timeout: float
-    ) -> list[Entry]:
-        if self.failures > 0:
-            self.failures -= 1
-            raise LogError("broker away")
-        return super().follow(stream, job_id, from_position, timeout)
-
-
-def test_the_hook_keeps_following_decisions_through_a_log_outage() -> None:
-    log = FlakyLog(failures=2)
+def test_the_hooks_follower_acts_on_what_its_agent_relays(tmp_path: Path) -> None:
+    """A rank takes its decisions from its agent (agent/links.py), never from the log: a relayed
+    regroup plan reaches the follower, which releases the training thread at once."""
+    links = ProcessLinks(tmp_path, MemoryLog(), patience_s=5.0)
+    link = AgentLink(links.path)
     regrouped = threading.Event()
-    follower = DecisionFollower(log, JOB, on_regroup=lambda generation: regrouped.set())
+    follower = DecisionFollower(link, on_regroup=lambda generation: regrouped.set())
     follower.start()
     try:
-        plan: Envelope = RegroupPlanned(
-            job_id=JOB, generation=1, source="engine", caused_by=3, members=[0, 1], replaced=[1]
+        links.relay(
+            RegroupPlanned(
+                job_id=JOB, generation=1, source="engine", caused_by=3, members=[0, 1], replaced=[1]
+            )
         )
-        log.append(Stream.DECISIONS, plan)
-        assert regrouped.wait(10), "the follower died on the log error"
+        assert regrouped.wait(10), "the relayed plan did not reach the follower"
         assert follower.wait_regroup(after=0, timeout=1).generation == 1
-        assert log.failures == 0
     finally:
-        follower.stop()
+        follower.stop()  # first: a follower whose agent is gone ends its process
+        link.close()
+        links.close(5.0)

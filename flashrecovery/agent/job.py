@@ -86,7 +86,7 @@ class Agent:
         self._generation = 0  # the newest generation a decision named
         self.metrics: MetricsServer | None = None  # serving before the first rank starts
         self._engine: EngineLoop | None = None
-        self._links: ProcessLinks | None = None  # multi-node: the node's processes' records
+        self._links: ProcessLinks | None = None  # the node's processes' records, once running
 
     def run(self) -> int:
         config = self.config
@@ -109,12 +109,13 @@ class Agent:
         if config.hosts_store and not config.external_engine:
             engine = EngineLoop(self.log_url, self.job_id).start()
         self._engine = engine
-        # On a node of a multi-node job the processes talk to their agent, not to the log: their
-        # beats in one record, their other records in batches, the decisions relayed.
-        node_dir = NodeDir() if config.multinode else None
-        relay = BeatRelay(node_dir.path) if node_dir is not None else None
-        if node_dir is not None:
-            self._links = ProcessLinks(node_dir.path, self._log, LOG_OUTAGE_S)
+        # The processes talk to their agent, not to the log: their beats in one record, their
+        # other records in batches, the decisions relayed. Only the agent writes, so a rank
+        # stopped (SIGSTOP) in the middle of a write cannot hold the embedded log's lock and
+        # silence the whole job.
+        node_dir = NodeDir()
+        relay = BeatRelay(node_dir.path)
+        self._links = ProcessLinks(node_dir.path, self._log, LOG_OUTAGE_S)
         supervisor = Supervisor(
             [sys.executable, str(config.script), *config.script_args],
             self._child_env(member.store, relay),
@@ -134,7 +135,7 @@ class Agent:
             node=member.node,
             say=lambda line: print(line, file=sys.stderr, flush=True),
         )
-        heartbeat = self._node_heartbeat(member, relay) if relay is not None else None
+        heartbeat = self._node_heartbeat(member, relay)
         previous = _handle_signals()
         outcome = Outcome("failed", 1, "interrupted")
         try:
@@ -150,14 +151,10 @@ class Agent:
             try:
                 supervisor.teardown()  # first: no child may outlive an unreachable log
             finally:
-                if heartbeat is not None:
-                    heartbeat.stop()
-                if relay is not None:
-                    relay.close()
-                if self._links is not None:
-                    self._links.close(LINK_DRAIN_S)
-                if node_dir is not None:
-                    node_dir.close()
+                heartbeat.stop()
+                relay.close()
+                self._links.close(LINK_DRAIN_S)
+                node_dir.close()
                 if config.hosts_store:
                     wait_for_agents(member.store, len(actions.lost_nodes) + 1, outcome.status)
                 if config.starts_job:
@@ -308,7 +305,7 @@ class Agent:
             elif time.monotonic() - down_since > STUCK_AFTER_S:
                 return Outcome("failed", 1, f"a rank stayed down for {STUCK_AFTER_S:.0f}s")
 
-    def _child_env(self, store: JobStore, relay: BeatRelay | None) -> dict[str, str]:
+    def _child_env(self, store: JobStore, relay: BeatRelay) -> dict[str, str]:
         inherited = {
             k: v
             for k, v in os.environ.items()
@@ -348,7 +345,7 @@ class Agent:
                 else {}
             ),
             "FLASHRECOVERY_NODE": str(self.node),
-            **({"FLASHRECOVERY_AGENT_SOCKET": relay.path} if relay is not None else {}),
+            "FLASHRECOVERY_AGENT_SOCKET": relay.path,
             **({"FLASHRECOVERY_AGENT_LINK": self._links.path} if self._links is not None else {}),
         }
 

@@ -1,11 +1,10 @@
 """The decisions a rank follows: regroup and resume plans (from donors, or from a checkpoint
 when no replica was left), per generation, and the end of the job.
 
-A thread tails the job's decisions stream (low volume, docs/protocol.md), or on a node of a
-multi-node job takes them from its agent, which follows the stream once for the node
-(agent/links.py), and keeps the plans; the training thread waits on them. When a plan moves the
-job past a generation, ``on_regroup`` runs at once in this thread so a training thread blocked
-on a vote of the old generation is released.
+A thread takes the job's decisions from the process's agent, which follows the decisions
+stream once for its node (agent/links.py), and keeps the plans; the training thread waits on
+them. When a plan moves the job past a generation, ``on_regroup`` runs at once in this thread
+so a training thread blocked on a vote of the old generation is released.
 """
 
 from __future__ import annotations
@@ -16,8 +15,6 @@ import time
 from collections.abc import Callable
 from typing import TypeVar, cast
 
-from flashrecovery.connectors.base import LogConnector
-from flashrecovery.connectors.follow import StreamCursor
 from flashrecovery.errors import FallbackRequired, JobFailed
 from flashrecovery.records import (
     Decision,
@@ -26,7 +23,6 @@ from flashrecovery.records import (
     IsolateRank,
     RegroupPlanned,
     ResumePlanned,
-    Stream,
 )
 from flashrecovery.trainer_hooks.agent_link import AgentLink
 
@@ -40,10 +36,8 @@ PROCESS_DECISIONS = (RegroupPlanned, ResumePlanned, FallbackToCheckpoint, FailJo
 
 
 class DecisionFollower:
-    def __init__(
-        self, source: LogConnector | AgentLink, job_id: str, on_regroup: Callable[[int], None]
-    ) -> None:
-        """``source``: the log, or the link to the agent that relays the decisions."""
+    def __init__(self, link: AgentLink, on_regroup: Callable[[int], None]) -> None:
+        """``link``: to the agent that relays the decisions."""
         self._on_regroup = on_regroup
         self._changed = threading.Condition()
         self._regroup: RegroupPlanned | None = None  # the newest
@@ -52,12 +46,7 @@ class DecisionFollower:
         self._failed: FailJob | None = None
         self._isolated: set[int] = set()  # pids the engine fenced off
         self._stop = threading.Event()
-        self._link = source if isinstance(source, AgentLink) else None
-        self._cursor = (
-            StreamCursor(source, Stream.DECISIONS, job_id, stop=self._stop)
-            if isinstance(source, LogConnector)
-            else None
-        )
+        self._link = link
         self._parent = os.getppid()
         self._thread = threading.Thread(
             target=self._run, name="flashrecovery-decisions", daemon=True
@@ -82,17 +71,10 @@ class DecisionFollower:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            if os.getppid() != self._parent or (self._link is not None and self._link.closed):
+            if os.getppid() != self._parent or self._link.closed:
                 os._exit(70)  # the agent is gone: nobody can regroup or reap us
-            for decision in self._poll():
+            for decision in self._link.poll_decisions(FOLLOW_TIMEOUT_S):
                 self._apply(decision)
-
-    def _poll(self) -> list[Decision]:
-        if self._cursor is None:
-            assert self._link is not None
-            return self._link.poll_decisions(FOLLOW_TIMEOUT_S)
-        entries = self._cursor.poll(FOLLOW_TIMEOUT_S)
-        return [e.record for e in entries if isinstance(e.record, Decision)]
 
     def _apply(self, decision: Decision) -> None:
         with self._changed:
@@ -131,9 +113,7 @@ class DecisionFollower:
                     return found
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    error = self._cursor.last_error if self._cursor else None
-                    why = f" (the log last failed with: {error})" if error else ""
-                    raise TimeoutError(f"no recovery decision within {timeout:.0f}s{why}")
+                    raise TimeoutError(f"no recovery decision within {timeout:.0f}s")
                 self._changed.wait(left)
 
     def wait_regroup(self, after: int, timeout: float) -> RegroupPlanned:

@@ -18,7 +18,6 @@ CHECKPOINT_EVERY = "FLASHRECOVERY_CHECKPOINT_EVERY"
 @dataclass(frozen=True)
 class LaunchEnv:
     job_id: str
-    log_url: str
     master_addr: str
     master_port: int
     store_prefix: str = field(repr=False)  # the job's secret (agent/store.py): never shown
@@ -32,12 +31,12 @@ class LaunchEnv:
     fault: Fault | None
     fault_plan: FaultPlan
     final_state_dir: Path | None  # where finish() leaves the final state (final_state.py)
+    agent_socket: str  # where heartbeats go, never the log (agent/relay.py)
+    agent_link: str  # where the other records go, and decisions come from (agent/links.py)
     shards: int = 1  # rank r holds model shard r % shards
     node: int = 0  # the node whose agent started it (FLASHRECOVERY_NODE)
-    agent_socket: str | None = None  # where heartbeats go instead of the log (agent/relay.py)
     checkpoint_dir: Path | None = None  # where checkpoints go (trainer_hooks/checkpoint.py)
     checkpoint_every: int = 0  # save after every this many committed steps
-    agent_link: str | None = None  # where the other records go instead (agent/links.py)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> LaunchEnv:
@@ -58,7 +57,6 @@ class LaunchEnv:
         try:
             return cls(
                 job_id=need("FLASHRECOVERY_JOB_ID"),
-                log_url=need("FLASHRECOVERY_LOG"),
                 master_addr=need("MASTER_ADDR"),
                 master_port=int(need("MASTER_PORT")),
                 store_prefix=need("FLASHRECOVERY_STORE_PREFIX"),
@@ -76,10 +74,10 @@ class LaunchEnv:
                 fault_plan=FaultPlan.parse(env.get("FLASHRECOVERY_FAULT_PLAN", "")),
                 final_state_dir=Path(env[final_state.ENV]) if env.get(final_state.ENV) else None,
                 node=int(env.get("FLASHRECOVERY_NODE", "0")),
-                agent_socket=env.get("FLASHRECOVERY_AGENT_SOCKET") or None,
+                agent_socket=need("FLASHRECOVERY_AGENT_SOCKET"),
                 checkpoint_dir=Path(env[CHECKPOINT_DIR]) if env.get(CHECKPOINT_DIR) else None,
                 checkpoint_every=int(env.get(CHECKPOINT_EVERY, "0")),
-                agent_link=env.get("FLASHRECOVERY_AGENT_LINK") or None,
+                agent_link=need("FLASHRECOVERY_AGENT_LINK"),
             )
         except ValueError as exc:
             raise LaunchError(f"bad launch environment: {exc}") from None

@@ -17,9 +17,9 @@ class HeartbeatThread:
     def __init__(
         self, to: LogConnector | str, interval_s: float, beat: Callable[[], Envelope | None]
     ) -> None:
-        """``to``: the log, or on a node of a multi-node job the path of the agent's socket
-        (agent/relay.py), whose record carries the beats; never blocking, so a stopped agent
-        costs nothing."""
+        """``to``: the log (the agent beats for its node), or a rank's or spare's path to its
+        agent's socket (agent/relay.py), whose record carries the beats; never blocking, so a
+        stopped agent costs nothing."""
         self._log = to if isinstance(to, LogConnector) else None
         self._relay = to if isinstance(to, str) else None
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) if self._relay else None

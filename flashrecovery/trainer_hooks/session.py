@@ -27,8 +27,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from flashrecovery.connectors import LogConnector, open_log
-from flashrecovery.connectors.follow import append_through_outage
 from flashrecovery.errors import ConfigError, ProtocolError, ReplacedError
 from flashrecovery.records import (
     CheckpointLoaded,
@@ -46,7 +44,6 @@ from flashrecovery.records import (
     SpareReady,
     StateTransferred,
     StepCompleted,
-    Stream,
 )
 from flashrecovery.trainer_hooks import (
     barrier,
@@ -86,18 +83,10 @@ class Session:
 
     def __init__(self, env: LaunchEnv) -> None:
         self._env = env
-        # On a node of a multi-node job the process talks to its agent, not to the log: the
-        # agent writes its records (the last step's, by number, is logged before the next vote)
-        # and relays the decisions (agent/links.py); its beats go to the agent's socket.
-        self._link: AgentLink | None = None
-        self._log: LogConnector | None = None
-        decisions: LogConnector | AgentLink
-        beats: LogConnector | str
-        if env.agent_link and env.agent_socket:
-            self._link = decisions = AgentLink(env.agent_link)
-            beats = env.agent_socket
-        else:
-            self._log = decisions = beats = open_log(env.log_url)
+        # The process talks to its agent, not to the log: the agent writes its records (the
+        # last step's, by number, is logged before the next vote) and relays the decisions
+        # (agent/links.py); its beats go to the agent's socket.
+        self._link = AgentLink(env.agent_link)
         self._step_record = 0
         self._store = groups.connect_store(env.master_addr, env.master_port, env.store_prefix)
         self._closer_store = groups.connect_store(
@@ -136,8 +125,8 @@ class Session:
             )
         )
         self._checkpoint_due = False  # the step just committed is saved as the next begins
-        self._follower = DecisionFollower(decisions, env.job_id, self._on_regroup)
-        self._heartbeat = HeartbeatThread(beats, env.heartbeat_interval_s, self._beat)
+        self._follower = DecisionFollower(self._link, self._on_regroup)
+        self._heartbeat = HeartbeatThread(env.agent_socket, env.heartbeat_interval_s, self._beat)
         self._follower.start()
         self._heartbeat.start()
         try:
@@ -433,8 +422,6 @@ class Session:
         agent still writes it: a step commits only once every member's previous one is logged,
         so the log never shows a member two steps ahead of another (docs/protocol.md). False
         when a newer generation is planned (or the agent is gone) first: then no vote."""
-        if self._link is None:
-            return True  # appended before commit() returned
         return self._link.wait_logged(self._step_record, RECOVERY_TIMEOUT_S, self._superseded)
 
     @contextlib.contextmanager
@@ -658,14 +645,9 @@ class Session:
     # ------------------------------------------------------------------ records
 
     def _append(self, cls: type[Envelope], **fields: Any) -> int:
-        """Every record but a heartbeat is part of the protocol: ride out a log outage, or hand
-        it to the agent, which writes it (returns its number among those handed over)."""
-        record = cls(**self._envelope(), **fields)
-        if self._link is not None:
-            return self._link.hand(record)
-        assert self._log is not None
-        append_through_outage(self._log, Stream.EVENTS, record, RECOVERY_TIMEOUT_S)
-        return 0
+        """Every record but a heartbeat is part of the protocol: hand it to the agent, which
+        writes it, riding out a log outage (returns its number among those handed over)."""
+        return self._link.hand(cls(**self._envelope(), **fields))
 
     def _envelope(self) -> dict[str, Any]:
         source = f"rank:{self._rank}" if self._rank is not None else f"spare:{self._env.spare_id}"
@@ -694,11 +676,8 @@ class Session:
     def _close(self) -> None:
         self._heartbeat.stop()
         self._follower.stop()
-        if self._link is not None:
-            self._link.close()
+        self._link.close()
         self._drop_group()
-        if self._log is not None:
-            self._log.close()
 
 
 def init() -> Session:

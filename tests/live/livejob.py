@@ -57,8 +57,13 @@ class JobResult:
         return saved
 
     def pids(self) -> set[int]:
-        """Every process the job ever had, from the log."""
-        return {r.pid for r in self.records() if hasattr(r, "pid") and r.type != "heartbeat"}
+        """Every process the job's agent started, from the log (the agent's own node records
+        name the agent, here the test's process)."""
+        return {
+            r.pid
+            for r in self.records()
+            if hasattr(r, "pid") and r.type not in ("heartbeat", "node_joined", "node_heartbeat")
+        }
 
 
 @dataclass
