@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
-from livejob import STEPS, WORLD, JobResult, run_job
+from livejob import STEPS, WORLD, JobResult, Processes, run_job
 
 from flashrecovery.engine.replay import replay_job
+from flashrecovery.records import Envelope
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -93,6 +95,26 @@ def test_hung_rank_is_found_by_its_silence(tmp_path: Path, reference: torch.Tens
     assert_lossless(job, reference, incidents=1)
     assert_survivors_kept(job, failed={1})
     assert [m.rank for m in job.records(type="heartbeat_missed")] == [1]
+
+
+def test_no_rank_or_spare_holds_the_log_open(tmp_path: Path, reference: torch.Tensor) -> None:
+    """Only agents write to the log: a rank stopped in the middle of a write would otherwise
+    hold the embedded log's lock, and the engine could not even record that it is silent."""
+    files: dict[int, list[str]] = {}
+
+    def look(record: Envelope, known: Processes) -> bool:
+        if len(known.ranks) < WORLD or not known.spares:
+            return False
+        for pid in [*known.ranks.values(), *known.spares.values()]:
+            files[pid] = [f.path for f in psutil.Process(pid).open_files()]
+        return True
+
+    job = run_job(tmp_path, spares=1, scenario=[look])
+    assert_lossless(job, reference, incidents=0)
+    assert len(files) == WORLD + 1, "the job ended before every process was seen"
+    assert {pid: [f for f in open_ if "log.db" in f] for pid, open_ in files.items()} == {
+        pid: [] for pid in files
+    }
 
 
 def test_stalled_rank_is_found_while_its_heartbeats_go_on(
