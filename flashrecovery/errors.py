@@ -57,5 +57,10 @@ class FallbackRequired(FlashRecoveryError):
     """The engine found no replica holding some shard: only a checkpoint can restore it."""
 
 
+class Superseded(FlashRecoveryError):
+    """A newer generation was planned while this rank waited in its own: the step is aborted
+    and recomputed in the newer one."""
+
+
 class JobFailed(FlashRecoveryError):
     """The engine decided the job has failed (for example a crash loop): stop training."""

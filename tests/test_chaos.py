@@ -3,6 +3,7 @@ processes: six faults of six kinds, each recovered, the job bitwise equal to its
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 from factories import JOB, T0, TYPES_BY_NAME, make
 
+from flashrecovery.chaos.cli import Plan, add_arguments
 from flashrecovery.chaos.schedule import TWO_FAILURES, available_kinds, draw
 from flashrecovery.chaos.verdict import Sent, spare_outcome
 from flashrecovery.connectors.memory import MemoryLog
@@ -73,6 +75,17 @@ def test_an_idle_spare_fault_fails_no_rank_and_plans_nothing_inside() -> None:
     [fault] = draw(1, 0, 3, ["spare_stop"], first_step=5, gap=6)
     assert fault.plan == [] and fault.failed_ranks == []
     assert fault.describe() == "an idle spare at step 5"
+
+
+def test_an_outside_kill_stops_waiting_for_a_spare_before_the_next_fault() -> None:
+    """A kill held back for a ready spare must not reach the next fault's step: it would take
+    that fault's process with it (a stall planned on the same rank was never seen)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--faults", "4", "--seed", "0", "--kinds", "sigkill,sigstop"])
+    plan = Plan.from_args(args)
+    steps = [f.step for f in plan.faults]
+    assert [k.spare_wait_until for k in plan.kills] == [s - 2 for s in steps[1:]] + [None]
 
 
 def test_an_impossible_kind_is_refused_before_anything_starts(tmp_path: Path) -> None:

@@ -118,10 +118,14 @@ class Plan:
                 )
         faults = schedule.draw(args.faults, args.seed, args.nproc, kinds, FIRST_STEP, args.gap)
         plan = cls(faults)
-        for fault in faults:
+        for fault, after in zip(faults, [*faults[1:], None], strict=True):
             if fault.kind in OUTSIDE_SIGNAL or fault.kind in MID_INCIDENT:
                 sig = OUTSIDE_SIGNAL.get(fault.kind, OUTSIDE_SIGNAL["sigkill"])
-                plan.sent[fault.index] = Sent(kill=Kill(fault.rank, fault.step, sig))
+                # Sent two steps before the next fault at the latest, ready spare or not: a
+                # kill that waited longer would take the next fault's process with it.
+                last = None if after is None else max(after.step - 2, fault.step - 1)
+                kill = Kill(fault.rank, fault.step, sig, spare_wait_until=last)
+                plan.sent[fault.index] = Sent(kill=kill)
         return plan
 
     @property

@@ -98,6 +98,9 @@ class Kill:
     committed: int | None = None  # the rank's committed step when the signal went out
     ts: float | None = None  # unix time of the SIGKILL
     outcome: str = "pending"  # pending | killed | missed
+    # Once the target has committed this step the kill goes out without waiting for a ready
+    # spare (a chaos run's next fault must not meet it late).
+    spare_wait_until: int | None = None
 
     @classmethod
     def parse(cls, spec: str) -> Kill:
@@ -131,8 +134,9 @@ class Kill:
 class Killer:
     """Carries out kills in order, one at a time, each once the job is running again.
 
-    With spares in the job it waits (up to ``spare_wait_s``) for a hot spare to be ready, so a
-    kill shows the hot-spare path rather than racing the spare's start-up.
+    With spares in the job it waits (up to ``spare_wait_s``, and until the kill's
+    ``spare_wait_until`` step) for a hot spare to be ready, so a kill shows the hot-spare path
+    rather than racing the spare's start-up.
     """
 
     job: LaunchedJob
@@ -160,7 +164,11 @@ class Killer:
         spec = self.job.spec
         needed = 1 if kill.node is None else spec.nproc // spec.nodes  # a node's ranks
         pooled = spec.spares > 0 or spec.spare_nodes > 0
-        spare_due = pooled and now - self.due_since < self.spare_wait_s
+        spare_due = (
+            pooled
+            and now - self.due_since < self.spare_wait_s
+            and (kill.spare_wait_until is None or committed < kill.spare_wait_until)
+        )
         if spare_due and watch.ready_spares < needed:
             return None
         self.due_since = None

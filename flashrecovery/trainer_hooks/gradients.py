@@ -3,8 +3,11 @@ into ``.grad`` only once the step is committed (an aborted step leaves no trace)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from flashrecovery.trainer_hooks import inflight
 from flashrecovery.trainer_hooks.groups import Group
 
 
@@ -16,7 +19,11 @@ class ReducedGradients:
         self._buckets = buckets
 
     @classmethod
-    def reduce(cls, group: Group, params: list[torch.nn.Parameter]) -> ReducedGradients:
+    def reduce(
+        cls, group: Group, params: list[torch.nn.Parameter], superseded: Callable[[], bool]
+    ) -> ReducedGradients:
+        """Sum the members' gradients; ``Superseded`` once a newer generation is planned
+        while a member holds the sum up (trainer_hooks/inflight.py)."""
         buckets: dict[torch.dtype, torch.Tensor] = {}
         for dtype in dict.fromkeys(p.dtype for p in params):
             grads = [
@@ -25,7 +32,7 @@ class ReducedGradients:
                 if p.dtype == dtype
             ]
             flat = torch.cat(grads)
-            group.allreduce([flat]).wait()
+            inflight.wait(group.allreduce([flat]), group, superseded)
             buckets[dtype] = flat
         return cls(params, buckets)
 

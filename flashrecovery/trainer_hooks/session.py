@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from flashrecovery.errors import ConfigError, ProtocolError, ReplacedError
+from flashrecovery.errors import ConfigError, ProtocolError, ReplacedError, Superseded
 from flashrecovery.records import (
     CheckpointLoaded,
     CheckpointSaved,
@@ -51,6 +51,7 @@ from flashrecovery.trainer_hooks import (
     ddp,
     final_state,
     groups,
+    inflight,
     rng,
     stable_group,
     transfer,
@@ -326,11 +327,11 @@ class Session:
             reduced = None
             if not self._stable.in_use:
                 params = [p for p in self._model.parameters() if p.requires_grad]
-                reduced = ReducedGradients.reduce(self._group, params)
+                reduced = ReducedGradients.reduce(self._group, params, self._superseded)
             self._fault("after_reduce", step)
             failure = self._stable.error()  # a collective of the user's failed this step
-        except RuntimeError as exc:  # a peer vanished: gloo fails within milliseconds
-            failure = str(exc)
+        except (RuntimeError, Superseded) as exc:  # a peer vanished (gloo fails within
+            failure = str(exc)  # milliseconds), or one stuck in its own code held the sum up
         try:
             if failure is not None:
                 self._append(CollectiveError, rank=self.rank, step=step, error=failure[:500])
@@ -630,6 +631,7 @@ class Session:
         group, self._group = self._group, None
         if group is not None:
             groups.drop(group)
+        inflight.release_finished()
 
     # ------------------------------------------------------------------ faults (tests)
 

@@ -1,0 +1,64 @@
+"""A collective held up by a peer stuck in its own code is left behind once a newer generation
+is planned (trainer_hooks/inflight.py): real gloo groups, two ranks in two threads."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from flashrecovery.errors import Superseded
+from flashrecovery.trainer_hooks import inflight
+from flashrecovery.trainer_hooks.groups import Rendezvous
+
+TIMEOUT = datetime.timedelta(seconds=30)
+
+
+def two_groups() -> list[dist.ProcessGroupGloo]:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    groups: list[dist.ProcessGroupGloo | None] = [None, None]
+
+    def build(rank: int) -> None:
+        # Through groups.Rendezvous: its waits release the GIL, which gloo's own would hold
+        # while the other thread has yet to publish its address.
+        rendezvous = Rendezvous(dist.PrefixStore("g/", store), lambda: False, "test")
+        groups[rank] = dist.ProcessGroupGloo(rendezvous, rank, 2, TIMEOUT)
+
+    threads = [threading.Thread(target=build, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert all(g is not None for g in groups)
+    return [g for g in groups if g is not None]
+
+
+def test_a_wait_gives_up_once_superseded_and_its_group_is_kept_until_the_work_ends() -> None:
+    waiting, stuck = two_groups()
+    planned = threading.Event()
+    threading.Timer(0.3, planned.set).start()
+    work = waiting.allreduce([torch.ones(4)])
+    started = time.monotonic()
+    with pytest.raises(Superseded):
+        inflight.wait(work, waiting, planned.is_set)  # the peer never joins the sum
+    assert time.monotonic() - started < 5, "the wait outlived the newer plan"
+    inflight.release_finished()
+    assert inflight._left_behind == [(waiting, work)]  # still in flight: kept
+    stuck.allreduce([torch.ones(4)]).wait()  # the peer comes back: the sum ends
+    work.wait()
+    inflight.release_finished()
+    assert inflight._left_behind == []
+
+
+def test_a_wait_that_ends_returns_and_leaves_nothing_behind() -> None:
+    left, right = two_groups()
+    tensors = [torch.ones(4)], [torch.full((4,), 2.0)]
+    other = right.allreduce(tensors[1])
+    inflight.wait(left.allreduce(tensors[0]), left, lambda: False)
+    other.wait()
+    assert torch.equal(tensors[0][0], torch.full((4,), 3.0))
+    assert inflight._left_behind == []
