@@ -15,7 +15,7 @@ from factories import JOB, T0, TYPES_BY_NAME, make
 
 from flashrecovery.chaos.cli import Plan, add_arguments
 from flashrecovery.chaos.schedule import TWO_FAILURES, available_kinds, draw
-from flashrecovery.chaos.verdict import Sent, spare_outcome
+from flashrecovery.chaos.verdict import Sent, judge, spare_outcome
 from flashrecovery.connectors.memory import MemoryLog
 from flashrecovery.records import Stream
 from flashrecovery.trainer_hooks.faults import FaultPlan
@@ -152,3 +152,21 @@ def test_an_idle_spare_fault_is_judged_by_what_the_log_shows(
     sent = Sent(spare=(0, 2001, T0))
     ok, notes, _, _ = spare_outcome(log, JOB, sent)
     assert ok is recovered and note in notes[0]
+
+
+def test_a_fault_the_job_never_met_is_counted_apart_not_as_recovered() -> None:
+    """An idle-spare signal with no idle spare ready before the job ended was never sent: it
+    proves nothing either way, so it is neither a miss nor a recovery."""
+    log = MemoryLog()
+    log.append(Stream.EVENTS, make(TYPES_BY_NAME["job_started"], record_id="r-0", ts=T0))
+    log.append(Stream.EVENTS, make(TYPES_BY_NAME["job_finished"], record_id="r-1", ts=T0 + 1))
+    faults = draw(1, 0, 3, ["spare_stop"], first_step=5, gap=6)
+    verdict = judge(log, JOB, 3, 10, faults, {0: Sent()}, 0, {}, {}, [])
+    [row] = verdict["faults"]
+    assert (row["sent"], row["recovered"], row["notes"]) == (
+        False,
+        False,
+        ["no idle spare to signal"],
+    )
+    assert (verdict["sent"], verdict["recovered"]) == (0, 0)
+    assert verdict["checks"]["every_fault_sent_recovered"]

@@ -417,7 +417,7 @@ def print_verdict(verdict: dict[str, Any], console: Console) -> None:
             _ms(row["detection_ms"]),
             _ms(row["rto_ms"]),
             str(row["committed_steps_lost"]),
-            _yes(row["recovered"]),
+            _yes(row["recovered"]) if row["sent"] else "[yellow]not sent[/]",
             "; ".join(row["notes"]),
         )
     console.print(table)
@@ -431,7 +431,8 @@ def print_verdict(verdict: dict[str, Any], console: Console) -> None:
     checks.add_column()
     checks.add_column()
     faults = len(verdict["faults"])
-    checks.add_row("faults recovered", f"{verdict['recovered']}/{faults}")
+    checks.add_row("faults sent", f"{verdict['sent']}/{faults}")
+    checks.add_row("faults recovered", f"{verdict['recovered']}/{verdict['sent']}")
     for name, ok in verdict["checks"].items():
         checks.add_row(name.replace("_", " "), _yes(ok))
     console.print(checks)

@@ -189,6 +189,12 @@ def judge(
             recovered, said, detection, rto = spare_outcome(log, job_id, action)
             notes += said
             rtos = [] if rto is None else [rto]
+        # A fault the job never met proves nothing either way: counted apart, not as a miss.
+        sent_out = not (
+            (fault.kind in IDLE_SPARE_SIGNAL and action.spare is None)
+            or (fault.kind in ("engine_kill", "broker_restart") and action.mid_incident_ts is None)
+            or (kill is not None and kill.outcome == "missed")
+        )
         rows.append(
             {
                 "index": fault.index,
@@ -198,6 +204,7 @@ def judge(
                 "detection_ms": _ms(detection),
                 "rto_ms": _ms(max(rtos)) if rtos and None not in rtos else None,
                 "committed_steps_lost": sum(r["committed_steps_lost"] or 0 for r in mine),
+                "sent": sent_out,
                 "recovered": recovered,
                 "notes": notes,
             }
@@ -208,7 +215,7 @@ def judge(
     expected = {r: s.params_sha256 for r, s in reference.items()}
     checks = {
         "completed": returncode == 0 and len(final) == nproc,
-        "every_fault_recovered": all(r["recovered"] for r in rows),
+        "every_fault_sent_recovered": all(r["recovered"] for r in rows if r["sent"]),
         "bitwise_equal_to_reference": len(expected) == nproc and digests == expected,
         "replay_no_divergence": bool(found["replay"]["ok"]),
         "survivor_pids_unchanged": not unplanned and len(joined) == nproc,
@@ -231,6 +238,7 @@ def judge(
         "reference_params_sha256": expected,
         "replay": found["replay"],
         "checks": checks,
-        "recovered": sum(r["recovered"] for r in rows),
+        "sent": sum(r["sent"] for r in rows),
+        "recovered": sum(r["recovered"] for r in rows if r["sent"]),
         "ok": all(checks.values()),
     }
