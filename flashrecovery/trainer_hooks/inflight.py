@@ -7,7 +7,7 @@ heartbeats still name the old generation, so once a newer generation is planned 
 would find it silent too and fail a healthy rank with the stuck one. Here such a wait gives up
 as soon as a newer generation is planned, and the group is kept with its work until the work
 ends (the stuck peer is SIGKILLed, its connections close): dropping a gloo group with work in
-flight waits for that work, holding the GIL, which would silence the heartbeats again.
+flight waits for that work, which would hold the training thread in the old generation again.
 """
 
 from __future__ import annotations
