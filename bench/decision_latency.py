@@ -9,10 +9,11 @@ Writes bench/results/decision_latency.json and prints a table.
 
 With ``--relay``: from a decision written to the (embedded) log to each rank acting on it (its
 decisions thread's regroup callback, which releases a blocked vote), for ``--ranks`` follower
-processes of one node that follow the log each (single node, and multi-node before the agent
-relayed the decisions) against the same ranks taking the decisions from their agent, which
-follows the log once (agent/links.py). Rounds of the two alternate. Writes
-bench/results/decision_relay.json.
+processes of one node that follow the log each (how every rank took them before the agent
+relayed the decisions; the hook no longer has that path, so the bench keeps a copy of its
+follow loop: a 0.5 s look on the decisions stream) against the same ranks taking the decisions
+from their agent, which follows the log once (agent/links.py). Rounds of the two alternate.
+Writes bench/results/decision_relay.json.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -43,6 +45,7 @@ from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.logs import configure_logging
 from flashrecovery.records import Decision, Envelope, RegroupPlanned, Stream
 from flashrecovery.trainer_hooks.agent_link import AgentLink
+from flashrecovery.trainer_hooks.decisions import FOLLOW_TIMEOUT_S as RANK_FOLLOW_S
 from flashrecovery.trainer_hooks.decisions import PROCESS_DECISIONS, DecisionFollower
 
 # The scripted world (no torch) lives with the tests: tests/simworld.py.
@@ -117,12 +120,31 @@ PAUSE_S = 0.3  # between decisions: the followers' polls back off as on an idle 
 
 def follower_main(log_url: str, job: str, link_path: str) -> None:
     """A rank's decisions thread (the child of --relay): prints when each regroup reaches it."""
-    source = AgentLink(link_path) if link_path else open_log(log_url)
-    follower = DecisionFollower(source, job, lambda g: print(g, time.time(), flush=True))
+
+    def on_regroup(generation: int) -> None:
+        print(generation, time.time(), flush=True)
+
+    if not link_path:
+        follow_the_log(log_url, job, on_regroup)
+        return
+    link = AgentLink(link_path)
+    follower = DecisionFollower(link, on_regroup)
     follower.start()
     sys.stdin.read()  # until the bench is done
     follower.stop()
-    source.close()
+    link.close()
+
+
+def follow_the_log(log_url: str, job: str, on_regroup: Callable[[int], None]) -> None:
+    """How a rank's decisions thread followed the log itself before the agent relayed them."""
+    stop = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+    with open_log(log_url) as log:
+        cursor = StreamCursor(log, Stream.DECISIONS, job, stop=stop)
+        while not stop.is_set():
+            for entry in cursor.poll(RANK_FOLLOW_S):
+                if isinstance(entry.record, RegroupPlanned):
+                    on_regroup(entry.record.generation)
 
 
 def agent_relay(log: LogConnector, job: str, links: ProcessLinks, stop: threading.Event) -> None:
