@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,64 @@ def test_a_dead_peer_in_ddp_backward_is_recorded_not_raised(tmp_path: Path, devi
     victim.join(5)
     assert (survivor.exitcode, victim.exitcode) == (0, -signal.SIGKILL)
     assert out.read_text()  # the backend's own words for the lost peer
+
+
+def _stuck_peer_rank(rank: int, port: int, out: str, where: str) -> None:
+    """Rank 1 stays in its own code (alive, connections open) while rank 0 is in a collective
+    of the step; the test then plans a newer generation."""
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
+    planner = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
+    stable = stable_group.StableGroups("cpu", lambda: planner.check(["planned"]))
+    stable_group.register(stable)
+    stable.attach(store, 0)
+    dist.init_process_group(
+        stable_group.BACKEND, store=dist.PrefixStore("torch/", store), rank=rank, world_size=2
+    )
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+    batch = torch.ones(2, 4)
+    model(batch).sum().backward()  # a step with both ranks
+    if rank == 1:
+        store.set("stuck", "1")
+        store.wait(["done"], datetime.timedelta(seconds=120))
+        os._exit(0)
+    store.wait(["stuck"])
+    store.set("blocked", "1")
+    started = time.monotonic()
+    if where == "backward":  # DDP's reducer waits on the bucket's future, inside torch
+        model(batch).sum().backward()
+    else:  # a collective waited for in Python, as FSDP2 waits for its all-gather
+        dist.all_reduce(torch.ones(1))
+    elapsed = time.monotonic() - started
+    Path(out).write_text(f"{elapsed}\n{stable.error()}")
+    store.set("done", "1")
+    os._exit(0)
+
+
+@pytest.mark.parametrize("where", ["backward", "all_reduce"])
+def test_a_stuck_peer_holds_a_collective_only_until_a_newer_generation_is_planned(
+    tmp_path: Path, where: str
+) -> None:
+    """Without the release the survivor would wait out gloo's 60 s collective timeout, and the
+    engine would fail it with the stuck peer (its heartbeats name the old generation)."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    out = tmp_path / "released.txt"
+    context = mp.start_processes(
+        _stuck_peer_rank,
+        args=(store.port, str(out), where),
+        nprocs=2,
+        join=False,
+        start_method="spawn",
+    )
+    store.wait(["blocked"], datetime.timedelta(seconds=60))
+    store.set("planned", "1")
+    for process in context.processes:
+        process.join(60)
+    assert [p.exitcode for p in context.processes] == [0, 0]
+    elapsed, error = out.read_text().split("\n")
+    assert "newer generation was planned" in error
+    assert float(elapsed) < stable_group.COLLECTIVE_TIMEOUT.total_seconds() / 4
 
 
 def test_settled_ddp_reduces_the_last_layer_first() -> None:

@@ -8,13 +8,19 @@ would find it silent too and fail a healthy rank with the stuck one. Here such a
 as soon as a newer generation is planned, and the group is kept with its work until the work
 ends (the stuck peer is SIGKILLed, its connections close): dropping a gloo group with work in
 flight waits for that work, which would hold the training thread in the old generation again.
+
+DDP's reducer and FSDP wait on a collective's future, inside torch: ``future`` hands out one
+that a watcher thread fails with ``Superseded`` once a newer generation is planned; the hook's
+own all-reduce waits on the same (``wait``).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from flashrecovery.errors import Superseded
@@ -25,17 +31,100 @@ _left_behind: list[tuple[object, dist.Work]] = []  # (group, its work still in f
 _lock = threading.Lock()
 
 
+class _Pending:
+    """A collective in flight and the future handed out for it, settled once: by the work, or
+    by a newer generation's plan (then the work is left behind)."""
+
+    def __init__(self, work: dist.Work, group: object, superseded: Callable[[], bool]) -> None:
+        self.work, self.group, self.superseded = work, group, superseded
+        self.future: torch.futures.Future[Any] = torch.futures.Future()
+        self._settled = threading.Lock()
+        self._done = False
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def _claim(self) -> bool:
+        with self._settled:
+            first, self._done = not self._done, True
+            return first
+
+    def settle(self, source: torch.futures.Future[Any]) -> None:
+        """The work ended: pass on its value or its error."""
+        if not self._claim():
+            return
+        try:
+            value = source.value()
+        except Exception as exc:  # gloo's error, passed on as it is
+            self.future.set_exception(exc)
+        else:
+            self.future.set_result(value)
+
+    def give_up(self) -> None:
+        if not self._claim():
+            return
+        with _lock:
+            _left_behind.append((self.group, self.work))
+        self.future.set_exception(
+            Superseded("a newer generation was planned while a collective waited")
+        )
+
+
+class _Watcher:
+    """One thread per process that gives up on the pending collectives of a superseded
+    generation; it only polls while some collective is pending."""
+
+    def __init__(self) -> None:
+        self._pending: list[_Pending] = []
+        self._changed = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, pending: _Pending) -> None:
+        with self._changed:
+            self._pending.append(pending)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="flashrecovery-inflight", daemon=True
+                )
+                self._thread.start()
+            self._changed.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                self._pending = [p for p in self._pending if not p.done]
+                if not self._pending:
+                    self._changed.wait()
+                    continue
+                pending = list(self._pending)
+            for entry in pending:
+                if not entry.done and entry.superseded():
+                    entry.give_up()
+            with self._changed:
+                self._changed.wait(POLL_S)
+
+
+_watcher = _Watcher()
+
+
+def future(
+    work: dist.Work, group: object, superseded: Callable[[], bool]
+) -> torch.futures.Future[Any]:
+    """``work``'s future (``work`` a collective of ``group``), failed with ``Superseded`` once
+    ``superseded()`` holds while the work is in flight; the work is then left behind with its
+    group."""
+    pending = _Pending(work, group, superseded)
+    work.get_future().add_done_callback(pending.settle)
+    if not pending.done:
+        _watcher.watch(pending)
+    return pending.future
+
+
 def wait(work: dist.Work, group: object, superseded: Callable[[], bool]) -> None:
     """Wait for ``work`` (a collective of ``group``) and raise its error; raise ``Superseded``
     once ``superseded()`` holds, leaving the work behind with its group."""
-    done = threading.Event()
-    work.get_future().add_done_callback(lambda _: done.set())
-    while not done.wait(POLL_S):
-        if superseded():
-            with _lock:
-                _left_behind.append((group, work))
-            raise Superseded("a newer generation was planned while a collective waited")
-    work.wait()
+    future(work, group, superseded).wait()
 
 
 def release_finished() -> None:

@@ -114,7 +114,9 @@ class Session:
         # The wait in progress that only a newer generation cuts short, and how to cut it.
         self._release: tuple[int, Callable[[dist.Store], object]] | None = None
         # The user's process groups (DDP, FSDP2, DeviceMesh): rebuilt under them per generation.
-        self._stable = stable_group.StableGroups("cuda" if torch.cuda.is_available() else "cpu")
+        self._stable = stable_group.StableGroups(
+            "cuda" if torch.cuda.is_available() else "cpu", self._superseded
+        )
         self._checkpoints = (
             None
             if env.checkpoint_dir is None

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from flashrecovery.errors import Superseded
+from flashrecovery.trainer_hooks import inflight
 from flashrecovery.trainer_hooks.groups import COLLECTIVE_TIMEOUT
 
 BACKEND = "flashrecovery"
@@ -98,22 +100,32 @@ class _DoneWork(dist.Work):
 
 
 class _GuardedWork(dist.Work):
-    """A collective in flight whose failure is recorded on the group instead of raised.
+    """A collective in flight whose failure is recorded on the group instead of raised, and
+    which a newer generation's plan ends (a peer stuck in its own code holds it up otherwise:
+    trainer_hooks/inflight.py).
 
     It lets go of torch's work once finished: a gloo work keeps its generation's connections
     open, and peers blocked in that generation are released only when they close."""
 
-    def __init__(self, work: dist.Work, result: list[Any], fail: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        work: dist.Work,
+        group: dist.ProcessGroup,
+        result: list[Any],
+        fail: Callable[[str], None],
+        superseded: Callable[[], bool],
+    ) -> None:
         super().__init__()
         self._work: dist.Work | None = work
+        self._group, self._superseded = group, superseded
         self._result, self._fail = result, fail
 
     def wait(self, timeout: object = None) -> bool:
         work, self._work = self._work, None
         if work is not None:
             try:
-                work.wait()
-            except RuntimeError as exc:  # torch's collective errors, DistError included
+                inflight.wait(work, self._group, self._superseded)
+            except (RuntimeError, Superseded) as exc:  # torch's errors, DistError included
                 self._fail(str(exc))
         return True
 
@@ -126,13 +138,13 @@ class _GuardedWork(dist.Work):
         def settle(future: torch.futures.Future[Any]) -> Any:
             try:
                 return future.value()
-            except RuntimeError as exc:
+            except (RuntimeError, Superseded) as exc:
                 fail(str(exc))
                 return result
 
         if self._work is None:
             return _DoneWork(result).get_future()
-        return self._work.get_future().then(settle)
+        return inflight.future(self._work, self._group, self._superseded).then(settle)
 
 
 def _generation_group(
@@ -158,9 +170,18 @@ class StableGroup(dist.ProcessGroup):
     """One process group of the user's (the world, or a DeviceMesh dimension), stable for the
     whole job; its members are fixed, its backend belongs to one generation at a time."""
 
-    def __init__(self, name: str, rank: int, size: int, device: str) -> None:
+    def __init__(
+        self,
+        name: str,
+        rank: int,
+        size: int,
+        device: str,
+        superseded: Callable[[], bool] = lambda: False,
+    ) -> None:
+        """``superseded()``: whether a generation newer than the attached one is planned."""
         super().__init__(rank, size)
         self._name, self._desc, self._device = name, name, device
+        self._superseded = superseded
         self._lock = threading.Lock()
         self._inner: dist.ProcessGroup | None = None
         # The first failure's message: never the exception, whose traceback would keep a
@@ -216,7 +237,7 @@ class StableGroup(dist.ProcessGroup):
         except RuntimeError as exc:
             self.fail(str(exc))
             return _DoneWork(_local_outputs(op, args, self.size()))
-        return _GuardedWork(work, _outputs(args), self.fail)
+        return _GuardedWork(work, inner, _outputs(args), self.fail, self._superseded)
 
     # ------------------------------------------------------------------ naming (DeviceMesh)
 
@@ -251,8 +272,9 @@ class StableGroups:
     """Every stable group of this process, in creation order (the order every rank builds
     them in), and the generation they are attached to."""
 
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, superseded: Callable[[], bool] = lambda: False) -> None:
         self.device = device  # "cuda" (NCCL underneath) or "cpu" (gloo)
+        self._superseded = superseded
         self._groups: list[StableGroup] = []
         self._formed: tuple[dist.Store, int] | None = None
 
@@ -264,7 +286,11 @@ class StableGroups:
         """torch's backend creator (``dist.Backend.register_backend(..., extended_api=True)``):
         a new group joins the current generation at once if this process is in one."""
         group = StableGroup(
-            str(options.group_id), options.group_rank, options.group_size, self.device
+            str(options.group_id),
+            options.group_rank,
+            options.group_size,
+            self.device,
+            self._superseded,
         )
         self._groups.append(group)
         if self._formed is not None:
