@@ -89,6 +89,32 @@ def test_demo_kill_recovers_bitwise_equal(tmp_path: Path, parallel: str, nproc: 
     assert code == 0
 
 
+def test_demo_fsdp_kill_falls_back_to_the_checkpoint_bitwise_equal(tmp_path: Path) -> None:
+    """`--parallel fsdp`: one shard per rank, no replica, so the lost rank's state comes from
+    the latest complete checkpoint; the survivor keeps its process and the job ends bitwise
+    equal to a fault-free run, having lost exactly the steps the fallback rolled back."""
+    summary, context, code = run_demo(
+        tmp_path,
+        "--nproc", "2",
+        "--spares", "1",
+        "--steps", "16",
+        "--kill", "1@6",
+        "--timeout", "120",
+        "--parallel", "fsdp",
+        timeout=280,
+    )  # fmt: skip
+    assert summary["ok"] is True, context
+    assert summary["verify"]["bitwise_equal"] is True, context
+    assert summary["survivor_pids_unchanged"] is True, context
+    [incident] = summary["incidents"]
+    assert incident["state"] == "closed" and incident["checkpoint_step"] is not None, context
+    assert incident["resume_step"] == incident["checkpoint_step"], context
+    rolled_back = summary["steps_rolled_back_by_fallbacks"]
+    assert rolled_back > 0 and summary["committed_steps_lost"] == rolled_back, context
+    assert summary["replay"]["ok"] is True, context
+    assert code == 0
+
+
 def test_demo_node_kill_recovers_bitwise_equal(tmp_path: Path) -> None:
     """`--nodes 2 --kill-node 1@3`: 2 loopback nodes x 2 ranks and a spare node; node 1's agent
     and ranks are SIGKILLed, the spare node's two spares take its ranks together."""

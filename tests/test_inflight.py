@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -37,19 +38,31 @@ def two_groups() -> list[dist.ProcessGroupGloo]:
     return [g for g in groups if g is not None]
 
 
-def test_a_wait_gives_up_once_superseded_and_its_group_is_kept_until_the_work_ends() -> None:
+COLLECTIVES: dict[str, Callable[[dist.ProcessGroupGloo], dist.Work]] = {
+    "all-reduce": lambda group: group.allreduce([torch.ones(4)]),
+    # FSDP2's reduce-scatter: gloo gives its work no future, a thread waits on it instead
+    "reduce-scatter": lambda group: group._reduce_scatter_base(torch.zeros(2), torch.ones(4)),
+}
+
+
+@pytest.mark.parametrize("collective", COLLECTIVES)
+def test_a_wait_gives_up_once_superseded_and_its_group_is_kept_until_the_work_ends(
+    collective: str,
+) -> None:
     waiting, stuck = two_groups()
     planned = threading.Event()
     threading.Timer(0.3, planned.set).start()
-    work = waiting.allreduce([torch.ones(4)])
+    work = COLLECTIVES[collective](waiting)
     started = time.monotonic()
     with pytest.raises(Superseded):
         inflight.wait(work, waiting, planned.is_set)  # the peer never joins the sum
     assert time.monotonic() - started < 5, "the wait outlived the newer plan"
     inflight.release_finished()
-    assert inflight._left_behind == [(waiting, work)]  # still in flight: kept
-    stuck.allreduce([torch.ones(4)]).wait()  # the peer comes back: the sum ends
+    [(group, ended)] = inflight._left_behind
+    assert group is waiting and not ended.is_set()  # still in flight: kept
+    COLLECTIVES[collective](stuck).wait()  # the peer comes back: the collective ends
     work.wait()
+    assert ended.wait(5)
     inflight.release_finished()
     assert inflight._left_behind == []
 

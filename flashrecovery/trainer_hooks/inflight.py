@@ -9,13 +9,14 @@ as soon as a newer generation is planned, and the group is kept with its work un
 ends (the stuck peer is SIGKILLed, its connections close): dropping a gloo group with work in
 flight waits for that work, which would hold the training thread in the old generation again.
 
-DDP's reducer and FSDP wait on a collective's future, inside torch: ``future`` hands out one
-that a watcher thread fails with ``Superseded`` once a newer generation is planned; the hook's
-own all-reduce waits on the same (``wait``).
+A wait in Python (the hook's all-reduce, FSDP2's ``work.wait()``) polls for the plan itself
+(``wait``); DDP's reducer waits on a collective's future inside torch, so ``future`` hands out
+one that a watcher thread fails with ``Superseded`` once a newer generation is planned.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -27,7 +28,9 @@ from flashrecovery.errors import Superseded
 
 POLL_S = 0.1  # how soon a newer generation's plan ends the wait
 
-_left_behind: list[tuple[object, dist.Work]] = []  # (group, its work still in flight)
+# (group, set once its work still in flight ends): gloo leaves some works incomplete for
+# ``is_completed()`` even after they ended (a reduce-scatter's)
+_left_behind: list[tuple[object, threading.Event]] = []
 _lock = threading.Lock()
 
 
@@ -36,7 +39,8 @@ class _Pending:
     by a newer generation's plan (then the work is left behind)."""
 
     def __init__(self, work: dist.Work, group: object, superseded: Callable[[], bool]) -> None:
-        self.work, self.group, self.superseded = work, group, superseded
+        self.group, self.superseded = group, superseded
+        self.ended = threading.Event()
         self.future: torch.futures.Future[Any] = torch.futures.Future()
         self._settled = threading.Lock()
         self._done = False
@@ -52,6 +56,7 @@ class _Pending:
 
     def settle(self, source: torch.futures.Future[Any]) -> None:
         """The work ended: pass on its value or its error."""
+        self.ended.set()
         if not self._claim():
             return
         try:
@@ -62,13 +67,8 @@ class _Pending:
             self.future.set_result(value)
 
     def give_up(self) -> None:
-        if not self._claim():
-            return
-        with _lock:
-            _left_behind.append((self.group, self.work))
-        self.future.set_exception(
-            Superseded("a newer generation was planned while a collective waited")
-        )
+        if self._claim():
+            self.future.set_exception(_leave_behind(self.group, self.ended))
 
 
 class _Watcher:
@@ -124,10 +124,36 @@ def future(
 def wait(work: dist.Work, group: object, superseded: Callable[[], bool]) -> None:
     """Wait for ``work`` (a collective of ``group``) and raise its error; raise ``Superseded``
     once ``superseded()`` holds, leaving the work behind with its group."""
-    future(work, group, superseded).wait()
+    ended = _ended(work)
+    while not ended.wait(POLL_S):
+        if superseded():
+            raise _leave_behind(group, ended)
+    work.wait()
+
+
+def _ended(work: dist.Work) -> threading.Event:
+    """An event set once ``work`` has ended, well or not."""
+    ended = threading.Event()
+    try:
+        work.get_future().add_done_callback(lambda _: ended.set())
+    except RuntimeError:  # gloo's reduce-scatter has no future: a thread waits on the work
+
+        def wait_quietly() -> None:
+            with contextlib.suppress(RuntimeError):  # raised again by the caller's wait()
+                work.wait()
+            ended.set()
+
+        threading.Thread(target=wait_quietly, name="flashrecovery-work", daemon=True).start()
+    return ended
+
+
+def _leave_behind(group: object, ended: threading.Event) -> Superseded:
+    with _lock:
+        _left_behind.append((group, ended))
+    return Superseded("a newer generation was planned while a collective waited")
 
 
 def release_finished() -> None:
     """Let go of the groups left behind whose work has ended (dropping them is cheap now)."""
     with _lock:
-        _left_behind[:] = [(g, w) for g, w in _left_behind if not w.is_completed()]
+        _left_behind[:] = [(g, e) for g, e in _left_behind if not e.is_set()]
