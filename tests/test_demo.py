@@ -59,20 +59,27 @@ def run_demo(tmp_path: Path, *options: str, timeout: float) -> tuple[dict[str, A
     return summary, json.dumps(summary, indent=1)[:4000], done.returncode
 
 
-@pytest.mark.parametrize(("parallel", "nproc"), [("hook", 2), ("ddp", 2), ("hsdp", 4)])
-def test_demo_kill_recovers_bitwise_equal(tmp_path: Path, parallel: str, nproc: int) -> None:
-    """With the hook's own reduce, with the GPT wrapped in torch DDP on the stable group, and
-    sharded with FSDP2 on a 2 x 2 HSDP mesh (rank 1 restored from rank 3, its shard's replica)."""
-    summary, context, code = run_demo(
+def run_kill_demo(
+    tmp_path: Path, parallel: str, nproc: int, kill: str
+) -> tuple[dict[str, Any], str, int]:
+    """One rank SIGKILLed in a 16-step demo with a hot spare."""
+    return run_demo(
         tmp_path,
         "--nproc", str(nproc),
         "--spares", "1",
         "--steps", "16",  # room for the kill to wait for the spare on a busy machine
-        "--kill", "1@3",
+        "--kill", kill,
         "--timeout", "120",
         "--parallel", parallel,
         timeout=280,
     )  # fmt: skip
+
+
+@pytest.mark.parametrize(("parallel", "nproc"), [("hook", 2), ("ddp", 2), ("hsdp", 4)])
+def test_demo_kill_recovers_bitwise_equal(tmp_path: Path, parallel: str, nproc: int) -> None:
+    """With the hook's own reduce, with the GPT wrapped in torch DDP on the stable group, and
+    sharded with FSDP2 on a 2 x 2 HSDP mesh (rank 1 restored from rank 3, its shard's replica)."""
+    summary, context, code = run_kill_demo(tmp_path, parallel, nproc, "1@3")
     assert summary["completed"], context
     assert [k["outcome"] for k in summary["kills"]] == ["killed"], context
     assert summary["verify"]["bitwise_equal"] is True, context
@@ -93,16 +100,7 @@ def test_demo_fsdp_kill_falls_back_to_the_checkpoint_bitwise_equal(tmp_path: Pat
     """`--parallel fsdp`: one shard per rank, no replica, so the lost rank's state comes from
     the latest complete checkpoint; the survivor keeps its process and the job ends bitwise
     equal to a fault-free run, having lost exactly the steps the fallback rolled back."""
-    summary, context, code = run_demo(
-        tmp_path,
-        "--nproc", "2",
-        "--spares", "1",
-        "--steps", "16",
-        "--kill", "1@6",
-        "--timeout", "120",
-        "--parallel", "fsdp",
-        timeout=280,
-    )  # fmt: skip
+    summary, context, code = run_kill_demo(tmp_path, "fsdp", 2, "1@6")
     assert summary["ok"] is True, context
     assert summary["verify"]["bitwise_equal"] is True, context
     assert summary["survivor_pids_unchanged"] is True, context

@@ -14,6 +14,8 @@ from flashrecovery.records import (
     Envelope,
     FallbackToCheckpoint,
     IncidentClosed,
+    RankRegrouped,
+    RegroupPlanned,
     ResumePlanned,
 )
 from flashrecovery.statemachines.job import JobState
@@ -117,3 +119,46 @@ def test_a_checkpoint_of_an_uncommitted_step_or_a_load_of_another_step_is_reject
     drive(log, engine, world, [world.kill(1)])
     assert any("rank 0 loaded step 0, the plan is 1" in r for r in engine.state.rejected)
     assert engine.state.job.state == JobState.RESUMING  # the right loads were believed
+
+
+class LosesRank0AsItLoads(SimulatedWorld):
+    """Rank 0 dies as it starts loading the checkpoint the first fallback names; rank 1 loads
+    it, and then regroups in the next generation holding the checkpoint's step."""
+
+    lost_while_loading = False
+
+    def react(self, decision: Decision) -> list[Envelope]:
+        if isinstance(decision, FallbackToCheckpoint) and not self.lost_while_loading:
+            assert decision.step is not None
+            self.lost_while_loading, self.committed = True, decision.step
+            loaded = CheckpointLoaded(**self._env("rank:1"), rank=1, step=decision.step, ms=5.0)
+            return [self.kill(0), loaded]
+        records = super().react(decision)
+        if isinstance(decision, RegroupPlanned) and self.lost_while_loading:
+            return [
+                r.model_copy(update={"committed_step": self.committed})
+                if isinstance(r, RankRegrouped) and r.rank == 1
+                else r
+                for r in records
+            ]
+        return records
+
+
+def test_a_member_lost_while_the_checkpoint_loads_falls_back_again() -> None:
+    log = MemoryLog()
+    world = LosesRank0AsItLoads(JOB, world_size=2, spares=2, shards=2)
+    engine = EngineLoop(log, JOB)
+    drive(log, engine, world, world.start())
+    drive(log, engine, world, world.train(4))
+    drive(log, engine, world, [world.checkpoint()])  # step 3
+    drive(log, engine, world, world.train(2))
+    decisions = drive(log, engine, world, [world.kill(1)])
+    fallbacks = of(decisions, FallbackToCheckpoint)
+    assert [f.step for f in fallbacks] == [3, 3]  # type: ignore[attr-defined]
+    assert not [r for r in engine.state.rejected if "says it holds step" in r]
+    assert engine.state.job.state == JobState.RESUMING
+    decisions = drive(log, engine, world, world.train(1))
+    assert len(of(decisions, IncidentClosed)) == 2
+    drive(log, engine, world, world.finish())
+    assert engine.state.job.state == JobState.COMPLETED
+    assert replay_job(log, JOB).ok

@@ -351,11 +351,13 @@ def _rank_regrouped(ctx: Context, record: RankRegrouped) -> None:
     if view.machine.state != RankState.PAUSED:
         raise Rejected(f"rank {record.rank} is {view.machine.state}, not regrouping")
     # Its last step record may have been fenced (sent as the generation ended): one step past
-    # what the records say is possible, more is not.
-    if record.committed_step > state.max_committed() + 1:
+    # what the records say is possible, more is not. A rank that loaded the latest checkpoint
+    # in a fallback that a newer failure cut short holds that checkpoint's step.
+    held = max(state.max_committed(), state.checkpoint[0] if state.checkpoint else -1)
+    if record.committed_step > held + 1:
         raise Rejected(
             f"rank {record.rank} says it holds step {record.committed_step}, but no member "
-            f"committed past {state.max_committed()}"
+            f"committed past {held}"
         )
     view.untried_spare = False  # it runs as the rank now: its failures are the rank's
     if view.regrouped_step is None:

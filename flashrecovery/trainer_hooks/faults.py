@@ -17,6 +17,8 @@ stall detector can find it. During a recovery, at the member's committed step: `
 SIGKILLs a member as it starts to join a new generation (before its members barrier),
 ``group_build`` once every member passed that barrier, while the group forms, and
 ``donor_send`` kills a donor in the middle of sending its state (after the first message).
+``checkpoint_load`` SIGKILLs a member as it starts loading the checkpoint a fallback names, at
+that checkpoint's step.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ POINTS = (
     "regroup",
     "group_build",
     "donor_send",
+    "checkpoint_load",
 )
 _CHECKED_AT = {"raise": "before_reduce", "hang": "before_reduce", "stall": "before_reduce"}
 

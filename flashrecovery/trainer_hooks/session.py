@@ -572,8 +572,9 @@ class Session:
     def _load_checkpoint(self, plan: FallbackToCheckpoint) -> None:
         """No replica was left of some shard: every member loads its own part of the
         checkpoint the engine named, and the job resumes after its step."""
-        if self._checkpoints is None or plan.path is None:
+        if self._checkpoints is None or plan.path is None or plan.step is None:
             raise ProtocolError("a checkpoint fallback, but this job writes no checkpoints")
+        self._fault("checkpoint_load", plan.step)
         assert self._optimizer is not None
         started = time.perf_counter()
         self._checkpoints.drain()  # this rank's own part in flight is not half-written

@@ -116,3 +116,31 @@ def test_pure_fsdp_rank_lost_falls_back_across_an_epoch(
     rpo = assert_fell_back(job, fsdp_reference, world=2)
     assert rpo >= 20 - 15
     assert_survivors_kept(job, failed={1}, world=2)
+
+
+def test_a_member_lost_while_loading_the_checkpoint_falls_back_again(
+    tmp_path: Path, fsdp_reference: torch.Tensor
+) -> None:
+    """Pure FSDP: rank 1 is SIGKILLed in epoch 1 and the job falls back to step 15's
+    checkpoint; rank 0 dies as it starts loading it. The engine falls back once more, both
+    ranks are taken over by spares, and the job still ends bitwise equal to a fault-free run."""
+    job = run_job(
+        tmp_path,
+        **FSDP,  # type: ignore[arg-type]
+        spares=2,
+        checkpoint_every=8,
+        script_args=FSDP_ARGS,
+        kill_at={1: 20},
+        fault_plan=["0:checkpoint_load@15"],
+    )
+    assert job.exit_code == 0, job.records(type="job_finished")
+    for rank in range(2):
+        assert torch.equal(job.final(rank)["params"], fsdp_reference), f"rank {rank} diverged"
+    fallbacks = job.decisions("fallback_to_checkpoint")
+    assert len(fallbacks) == 2 and {f.step for f in fallbacks} == {15}
+    loaded = job.records(type="checkpoint_loaded")
+    assert sorted(r.rank for r in loaded if r.generation == fallbacks[-1].generation) == [0, 1]
+    assert [i.failed_rank for i in job.decisions("incident_closed")] == [1, 0]
+    report = replay_job(job.log, job.job_id)
+    assert report.ok, report.divergence and report.divergence.describe()
+    assert_survivors_kept(job, failed={0, 1}, world=2)
