@@ -124,7 +124,11 @@ def test_stalled_rank_is_found_while_its_heartbeats_go_on(
     job = run_job(tmp_path, spares=1, faults={1: "stall@8"}, stall_floor_s=1.0)
     assert_lossless(job, reference, incidents=1)
     assert_survivors_kept(job, failed={1})
-    assert {s.rank for s in job.records(type="stall_suspected")} == {1}
+    suspected = [s.rank for s in job.records(type="stall_suspected")]
+    assert suspected.count(1) >= 2  # found in two windows: failed
+    # A peer's waiting flag reaches the engine with its node's next heartbeat, up to an interval
+    # late: a first window can name a rank that had just begun to wait, a second never does.
+    assert all(suspected.count(rank) == 1 for rank in set(suspected) - {1}), suspected
     [isolate] = job.decisions("isolate_rank")
     assert isolate.rank == 1 and "no progress" in isolate.reason
     assert job.records(type="heartbeat_missed") == []  # it was alive all along
