@@ -23,11 +23,17 @@ from flashrecovery.statemachines.job import JobState
 JOB = "fallback"
 
 
-def running(world_size: int, shards: int) -> tuple[MemoryLog, SimulatedWorld, EngineLoop]:
+def started(world: SimulatedWorld) -> tuple[MemoryLog, EngineLoop]:
+    """The engine over a memory log, the world's start applied."""
     log = MemoryLog()
-    world = SimulatedWorld(JOB, world_size=world_size, spares=2, shards=shards)
     engine = EngineLoop(log, JOB)
     drive(log, engine, world, world.start())
+    return log, engine
+
+
+def running(world_size: int, shards: int) -> tuple[MemoryLog, SimulatedWorld, EngineLoop]:
+    world = SimulatedWorld(JOB, world_size=world_size, spares=2, shards=shards)
+    log, engine = started(world)
     return log, world, engine
 
 
@@ -105,10 +111,8 @@ class LoadsTheWrongStepFirst(SimulatedWorld):
 
 
 def test_a_checkpoint_of_an_uncommitted_step_or_a_load_of_another_step_is_rejected() -> None:
-    log = MemoryLog()
     world = LoadsTheWrongStepFirst(JOB, world_size=2, spares=1, shards=2)
-    engine = EngineLoop(log, JOB)
-    drive(log, engine, world, world.start())
+    log, engine = started(world)
     drive(log, engine, world, world.train(2))
     world.committed = 5  # claims a step nobody committed
     drive(log, engine, world, [world.checkpoint()])
@@ -145,10 +149,8 @@ class LosesRank0AsItLoads(SimulatedWorld):
 
 
 def test_a_member_lost_while_the_checkpoint_loads_falls_back_again() -> None:
-    log = MemoryLog()
     world = LosesRank0AsItLoads(JOB, world_size=2, spares=2, shards=2)
-    engine = EngineLoop(log, JOB)
-    drive(log, engine, world, world.start())
+    log, engine = started(world)
     drive(log, engine, world, world.train(4))
     drive(log, engine, world, [world.checkpoint()])  # step 3
     drive(log, engine, world, world.train(2))

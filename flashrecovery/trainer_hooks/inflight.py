@@ -38,7 +38,7 @@ class _Pending:
     """A collective in flight and the future handed out for it, settled once: by the work, or
     by a newer generation's plan (then the work is left behind)."""
 
-    def __init__(self, work: dist.Work, group: object, superseded: Callable[[], bool]) -> None:
+    def __init__(self, group: object, superseded: Callable[[], bool]) -> None:
         self.group, self.superseded = group, superseded
         self.ended = threading.Event()
         self.future: torch.futures.Future[Any] = torch.futures.Future()
@@ -114,7 +114,7 @@ def future(
     """``work``'s future (``work`` a collective of ``group``), failed with ``Superseded`` once
     ``superseded()`` holds while the work is in flight; the work is then left behind with its
     group."""
-    pending = _Pending(work, group, superseded)
+    pending = _Pending(group, superseded)
     work.get_future().add_done_callback(pending.settle)
     if not pending.done:
         _watcher.watch(pending)
