@@ -3,9 +3,9 @@
 Run ``python bench/kafka_throughput.py [--records N] [--rounds R] [--bootstrap HOST:PORT]
 [--quick]``. It times the broker's start, then runs the phases of ``log_throughput.py`` (writes
 one by one, in batches and without waiting; from several processes; reads; a follower) on fresh
-topics, in interleaved rounds, and writes ``bench/results/kafka_throughput.json``, a PNG and a
-table. ``--setting producer.linger_ms=5`` (repeatable) passes a connector setting, to compare
-tunings. It measures, it asserts nothing.
+topics, in interleaved rounds (a job read alone gets topics of its own each round), and writes
+``bench/results/kafka_throughput.json``, a PNG and a table. ``--setting producer.linger_ms=5``
+(repeatable) passes a connector setting, to compare tunings. It measures, it asserts nothing.
 """
 
 from __future__ import annotations
@@ -39,9 +39,14 @@ def main() -> None:
             started = time.monotonic()
             args.bootstrap = broker.start()
             start_s = time.monotonic() - started
-        prefix = f"bench{uuid.uuid4().hex[:8]}."
-        query = "&".join([f"topic_prefix={prefix}", f"partitions={args.partitions}", *args.setting])
-        report = run(f"kafka://{args.bootstrap}?{query}", args.records, args.writers, args.rounds)
+        bootstrap = args.bootstrap
+
+        def fresh_topics() -> str:
+            prefix = f"bench{uuid.uuid4().hex[:8]}."
+            query = [f"topic_prefix={prefix}", f"partitions={args.partitions}", *args.setting]
+            return f"kafka://{bootstrap}?{'&'.join(query)}"
+
+        report = run(fresh_topics(), args.records, args.writers, args.rounds, fresh_topics)
     finally:
         if broker is not None:
             broker.stop()

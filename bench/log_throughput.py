@@ -45,7 +45,8 @@ LABELS = {
     "append_many": f"append_many, {BATCH} a batch",
     "append_async": "append_async, one flush at the end",
     "processes": "append, N processes",
-    "read": "read a whole job (catch-up)",
+    "read": "read a job behind the others' (catch-up)",
+    "read_alone": "read a job alone in its topic",
     "follow": "follow while appending",
 }
 WAIT_S = 120.0
@@ -181,6 +182,19 @@ def bench_read(log: LogConnector, job_id: str, count: int) -> dict[str, Any]:
     return timer.result(seen)
 
 
+def bench_read_alone(url: str, job_id: str, count: int) -> dict[str, Any]:
+    """Write a job on a log of its own (untimed), then read it back like ``bench_read``. On
+    Kafka ``read`` scans, and decodes, every record of the job's partition from its start (the
+    other phases' jobs, earlier rounds'): this is the read alone, where nothing else is in the
+    way; the embedded log indexes by job, so there the two are the same."""
+    with open_log(url) as log:
+        log.read(Stream.EVENTS, f"{job_id}-none")  # connected, as a reader that catches up is
+        for first in range(0, count, BATCH):
+            last = min(first + BATCH, count)
+            log.append_many(Stream.EVENTS, [heartbeat(job_id, s) for s in range(first, last)])
+        return bench_read(log, job_id, count)
+
+
 def bench_follow(log: LogConnector, job_id: str, count: int) -> dict[str, Any]:
     """A follower thread tails the job while this thread appends one by one; how fast and how
     late it sees."""
@@ -216,7 +230,9 @@ def _loaded(measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     return {**result, "load_1m": [before, os.getloadavg()[0]]}
 
 
-def run_round(url: str, log: LogConnector, tag: str, records: int, writers: int) -> dict[str, Any]:
+def run_round(
+    url: str, log: LogConnector, tag: str, records: int, writers: int, alone_url: str
+) -> dict[str, Any]:
     bulk = records * BULK
     return {
         "append": _loaded(lambda: bench_append(log, f"{tag}-append", records)),
@@ -224,6 +240,7 @@ def run_round(url: str, log: LogConnector, tag: str, records: int, writers: int)
         "append_async": _loaded(lambda: bench_append_async(log, f"{tag}-async", bulk)),
         "processes": _loaded(lambda: bench_processes(url, f"{tag}-procs", writers, records)),
         "read": _loaded(lambda: bench_read(log, f"{tag}-async", bulk)),
+        "read_alone": _loaded(lambda: bench_read_alone(alone_url, f"{tag}-alone", bulk)),
         "follow": _loaded(lambda: bench_follow(log, f"{tag}-follow", records)),
     }
 
@@ -259,10 +276,21 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def run(url: str, records: int, writers: int, rounds: int) -> dict[str, Any]:
+def run(
+    url: str,
+    records: int,
+    writers: int,
+    rounds: int,
+    alone_url: Callable[[], str] | None = None,
+) -> dict[str, Any]:
+    """Every phase in ``rounds`` interleaved rounds; ``alone_url`` gives the log a job is read
+    alone on, one per round (default: ``url``, where jobs do not share what a read scans)."""
     tag = f"bench-{os.getpid()}-{int(time.time())}"
+    fresh = alone_url or (lambda: url)
     with open_log(url) as log:
-        results = [run_round(url, log, f"{tag}-{i}", records, writers) for i in range(rounds)]
+        results = [
+            run_round(url, log, f"{tag}-{i}", records, writers, fresh()) for i in range(rounds)
+        ]
     return {
         "url": url,
         "records": records,
