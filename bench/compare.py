@@ -18,7 +18,9 @@ system in turn (the order rotates), each job taking its share of ``--kills`` SIG
 seeded random rank at a seeded random step, so the machine's noise hits every system alike.
 From the committed-step lines, per kill: RTO (SIGKILL → every rank committed a step in the
 process that holds it afterwards), how long the ranks not killed went without committing, the
-committed steps lost (recomputed), and steady ms/step away from kills. Results: median, min and
+committed steps lost (recomputed), and steady ms/step away from kills (and, for the hot spare,
+away from its refill: the next spare starting on the same cores after a recovery; its steps
+then are reported apart as ``refill_ms_per_step``). Results: median, min and
 max per system, ratios to flashrecovery's hot spare, bench/results/compare.json, a table and
 bench/results/compare.png. It measures, it asserts nothing.
 """
@@ -48,6 +50,7 @@ from rich.console import Console
 from flashrecovery.connectors import open_log
 from flashrecovery.demo.job import JobSpec, LaunchedJob
 from flashrecovery.demo.watch import JobWatch
+from flashrecovery.records import SpareReady, Stream
 
 WORKERS = Path(__file__).resolve().parent / "compare_workers"
 PROGRESS = "progress.jsonl"  # compare_workers/workload.py writes it
@@ -193,6 +196,12 @@ def _spare_ready(watch: JobWatch) -> bool:
     return watch.ready_spares >= 1
 
 
+def _spares_ready_at(watch: JobWatch) -> list[float]:
+    """When each spare reported ready (its record's time), from the job's log."""
+    entries = watch.log.read(Stream.EVENTS, watch.job_id)
+    return sorted(e.record.ts for e in entries if isinstance(e.record, SpareReady))
+
+
 def _trained(
     tail: ProgressTail, job: LaunchedJob, world: int, since: float, steps: int, limit: float
 ) -> bool:
@@ -252,8 +261,12 @@ def run_job(
             since = time.time()
         else:  # the last recovery's holders settle: their own steps close its window
             _trained(tail, job, trial.world, since, GAP_STEPS, limit)
+            if watch is not None and done:  # and the last refill (see job_metrics)
+                _wait(lambda: _spare_ready(watch), tail, job, SPARE_WAIT_S)
         tail.poll()
+        spares_ready = [] if watch is None else _spares_ready_at(watch)
     return {
+        "spares_ready_t": spares_ready,
         "system": system,
         "kills": [dataclasses.asdict(k) for k in done],
         "commits": tail.commits,
@@ -314,26 +327,41 @@ def steady_step_times(commits: list[Commit], quiet: Callable[[float, float], boo
     ]
 
 
-def job_metrics(job: dict[str, Any]) -> tuple[list[dict[str, Any]], list[float]]:
+def job_metrics(job: dict[str, Any]) -> tuple[list[dict[str, Any]], list[float], list[float]]:
+    """Each kill's metrics, the steady step times, and the step times while a new spare
+    started after a recovery (the hot spare's refill: python and torch starting on the same
+    cores; not steady, and reported apart)."""
     commits: list[Commit] = job["commits"]
     kills = [Kill(**k) for k in job["kills"] if k["recovered"]]
     ends = [k.t for k in kills[1:]] + [math.inf]
     rows = [m for k, end in zip(kills, ends, strict=True) if (m := kill_metrics(commits, k, end))]
-    disturbed = [(k.t, m["recovered_t"]) for k, m in zip(kills, rows, strict=False)]
+    recoveries = [(k.t, m["recovered_t"]) for k, m in zip(kills, rows, strict=False)]
+    ready = job.get("spares_ready_t", [])
+    refills = [
+        (recovered, t)
+        for killed, recovered in recoveries
+        if (t := next((r for r in ready if r > killed), None)) is not None and t > recovered
+    ]
+    disturbed = recoveries + refills
 
     def quiet(start: float, end: float) -> bool:
         return all(end < a or start > b for a, b in disturbed)
 
-    return rows, steady_step_times(commits, quiet)
+    def refilling(start: float, end: float) -> bool:
+        return any(a <= start and end <= b for a, b in refills)
+
+    return rows, steady_step_times(commits, quiet), steady_step_times(commits, refilling)
 
 
 def summarise(system: str, jobs: list[dict[str, Any]]) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     times: list[float] = []
+    refill_times: list[float] = []
     for job in jobs:
-        job_rows, job_times = job_metrics(job)
+        job_rows, job_times, job_refill_times = job_metrics(job)
         rows += job_rows
         times += job_times
+        refill_times += job_refill_times
 
     def spread(key: str) -> dict[str, float] | None:
         values = [r[key] for r in rows]
@@ -348,6 +376,7 @@ def summarise(system: str, jobs: list[dict[str, Any]]) -> dict[str, Any]:
         "stall_s": spread("stall_s"),
         "steps_lost": spread("steps_lost"),
         "steady_ms_per_step": statistics.median(times) * 1000 if times else None,
+        "refill_ms_per_step": statistics.median(refill_times) * 1000 if refill_times else None,
         "kills": rows,
         "errors": [j["error"] for j in jobs if j["error"]],
         "loadavg": [j["loadavg_before"] for j in jobs],
@@ -417,10 +446,12 @@ def render(configs: list[dict[str, Any]], skipped: dict[str, str], console: Cons
                     "-" if lost is None else f"{lost['median']:.0f} [{lost['max']:.0f}]",
                     "-" if s["steady_ms_per_step"] is None else f"{s['steady_ms_per_step']:.1f}",
                     _ratio(s["step_vs_hot_spare"]),
+                    "-" if s["refill_ms_per_step"] is None else f"{s['refill_ms_per_step']:.1f}",
                 ]
             )
     columns = ["config", "system", "kills", "RTO ms med [min..max]", "RTO vs hot spare"]
     columns += ["others' stall ms", "steps lost med [max]", "ms/step", "vs hot spare"]
+    columns += ["ms/step, next spare starting"]
     console.print(table("SIGKILL → every rank committed a new step", columns, rows))
     for system, reason in skipped.items():
         console.print(f"{system}: skipped, {reason}")

@@ -12,9 +12,9 @@ from compare import Commit, Kill, ProgressTail, job_metrics, kill_metrics, stead
 KILL_T = 10.5
 
 
-def lines(rank: int, pid: int, steps: range, t0: float) -> list[Commit]:
-    """One commit a second from ``t0``."""
-    return [Commit(t0 + i, rank, pid, step) for i, step in enumerate(steps)]
+def lines(rank: int, pid: int, steps: range, t0: float, period: float = 1.0) -> list[Commit]:
+    """One commit every ``period`` seconds from ``t0``."""
+    return [Commit(t0 + i * period, rank, pid, step) for i, step in enumerate(steps)]
 
 
 def test_a_restart_from_a_checkpoint_counts_its_new_processes_and_its_lost_steps() -> None:
@@ -62,9 +62,29 @@ def test_steady_step_times_skip_each_process_warmup_and_the_recovery() -> None:
         "commits": [*commits, Commit(24.1, 1, 40, 20), *lines(1, 11, range(20), 0.1)],
         "kills": [{"rank": 1, "pid": 11, "t": 19.5, "recovered": True}],
     }
-    rows, steady = job_metrics(job)
+    rows, steady, refilling = job_metrics(job)
     assert [round(r["rto_s"], 3) for r in rows] == [4.6]
     assert 5.0 not in steady and 4.5 not in steady  # the intervals spanning the recovery
+    assert refilling == []  # no spare in this job
+
+
+def test_steps_while_the_next_spare_starts_are_not_steady() -> None:
+    """Recovered at 22.1; the refilled spare reports ready at 30.0: steps in between (2 s each,
+    slowed by its start) are reported apart, those after it are steady again."""
+    survivor = lines(0, 10, range(20), 0.0) + lines(0, 10, range(20, 24), 22.1, 2.0)
+    survivor += lines(0, 10, range(24, 40), 30.1)
+    replacement = lines(1, 40, range(20, 24), 22.1, 2.0) + lines(1, 40, range(24, 40), 30.1)
+    job = {
+        "commits": sorted(
+            [*survivor, *replacement, *lines(1, 11, range(20), 0.1)], key=lambda c: c.t
+        ),
+        "kills": [{"rank": 1, "pid": 11, "t": 19.5, "recovered": True}],
+        "spares_ready_t": [0.5, 30.0],  # the first spare's, then its refill's
+    }
+    rows, steady, refilling = job_metrics(job)
+    assert len(rows) == 1
+    assert refilling and {round(t, 6) for t in refilling} == {2.0}
+    assert steady and {round(t, 6) for t in steady} == {1.0}
 
 
 def test_progress_lines_are_read_whole_as_they_are_appended(tmp_path: Path) -> None:
