@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from flashrecovery.chain import verify as verify_chains
-from flashrecovery.connectors import open_log
-from flashrecovery.connectors import embedded
+from flashrecovery.connectors import embedded, open_log
 from flashrecovery.connectors.embedded import EmbeddedLog
 from flashrecovery.errors import LogError
 from flashrecovery.records import Heartbeat, IsolateRank, Stream

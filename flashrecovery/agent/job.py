@@ -18,6 +18,7 @@ from typing import Any
 import structlog
 
 import flashrecovery
+from flashrecovery import heap
 from flashrecovery.agent import rendezvous
 from flashrecovery.agent.actions import SPAWNS_PER_S, Actions, SpawnBudget
 from flashrecovery.agent.config import AgentConfig
@@ -143,6 +144,7 @@ class Agent:
                 supervisor.spawn_rank(rank, fault=config.faults.get(rank))
             for _ in range(member.spares):
                 supervisor.spawn_spare()
+            heap.settle()  # while the ranks start: the engine's later pauses stay short
             outcome = self._supervise(member, supervisor, actions, engine)
         except Interrupted as exc:
             outcome = Outcome("failed", 128 + exc.signum, f"interrupted by signal {exc.signum}")

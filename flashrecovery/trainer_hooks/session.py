@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from flashrecovery import heap
 from flashrecovery.errors import ConfigError, ProtocolError, ReplacedError, Superseded
 from flashrecovery.records import (
     CheckpointLoaded,
@@ -186,10 +187,11 @@ class Session:
         self._model, self._optimizer = model, optimizer
         self._extras = {**(extras or {}), "flashrecovery.data": self._position}
         ddp.settle_buckets(model)
+        if self._rank is None and warmup is not None:
+            warmup()
+            model.zero_grad(set_to_none=True)
+        heap.settle()  # the long-lived objects exist now: a spare settles before it is needed
         if self._rank is None:
-            if warmup is not None:
-                warmup()
-                model.zero_grad(set_to_none=True)
             self._report_ready()
 
     def process_group(self) -> dist.ProcessGroup:
@@ -201,6 +203,7 @@ class Session:
                 # What DDP's constructor imports on first use (torch._dynamo, 1-2 s here): a
                 # spare pays it before it waits, not after it is needed.
                 importlib.import_module("torch._dynamo")
+                heap.settle()
                 self._report_ready()
                 self._await_assignment()
             stable_group.register(self._stable)

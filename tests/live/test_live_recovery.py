@@ -48,6 +48,9 @@ def test_kill_with_hot_spare(tmp_path: Path, reference: torch.Tensor) -> None:
     activated = job.records(type="spare_activated")
     assert [(a.rank, a.spare_id) for a in activated] == [(1, 0)]
     assert job.final(1)["pid"] == activated[0].pid
+    # Survivors and the spare froze their start-up heap (flashrecovery/heap.py): a full
+    # collection no longer walks it in a step or in the restore.
+    assert all(job.final(rank)["frozen"] > 0 for rank in range(WORLD))
     [plan] = job.decisions("resume_planned")
     assert (plan.donors, plan.stripes, plan.recipients) == ({0: 0}, {0: [0, 2]}, [1])
     [moved] = job.records(type="state_transferred")

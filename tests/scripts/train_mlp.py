@@ -6,6 +6,7 @@ the script steps its own optimizer."""
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -83,7 +84,8 @@ def main() -> None:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
         params = torch.cat([t.detach().reshape(-1) for t in model.state_dict().values()])
-        torch.save({"params": params, "pid": os.getpid()}, args.out / f"rank{session.rank}.pt")
+        saved = {"params": params, "pid": os.getpid(), "frozen": gc.get_freeze_count()}
+        torch.save(saved, args.out / f"rank{session.rank}.pt")
     # Skip the interpreter's teardown: torch's takes seconds here, and the suite runs on 2 cores.
     sys.stdout.flush()
     os._exit(0)
