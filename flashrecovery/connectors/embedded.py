@@ -65,51 +65,6 @@ _SCHEMA = (
 _INHERITED: list[sqlite3.Connection] = []
 
 
-class _LocalCommits:
-    """This process's commits to one file, counted per stream: a follower in the same process
-    (the agent's engine behind its own ranks' records, its relay behind the engine's decisions)
-    wakes on one at once instead of at its next poll. Other processes' commits are still found
-    by polling, as before."""
-
-    def __init__(self) -> None:
-        self._changed = threading.Condition()
-        self._counts: dict[Stream, int] = dict.fromkeys(Stream, 0)
-
-    def count(self, stream: Stream) -> int:
-        with self._changed:
-            return self._counts[stream]
-
-    def committed(self, streams: set[Stream]) -> None:
-        with self._changed:
-            for stream in streams:
-                self._counts[stream] += 1
-            self._changed.notify_all()
-
-    def wait(self, stream: Stream, seen: int, timeout: float) -> None:
-        """Until this process commits to ``stream`` after ``seen``, or ``timeout`` passes."""
-        with self._changed:
-            self._changed.wait_for(lambda: self._counts[stream] != seen, timeout)
-
-
-_LOCAL_COMMITS: dict[Path, _LocalCommits] = {}
-_LOCAL_COMMITS_LOCK = threading.Lock()
-
-
-def _local_commits(path: Path) -> _LocalCommits:
-    with _LOCAL_COMMITS_LOCK:
-        return _LOCAL_COMMITS.setdefault(path, _LocalCommits())
-
-
-def _forget_local_commits() -> None:
-    """A forked child starts with fresh conditions: another thread may have held one at fork."""
-    global _LOCAL_COMMITS_LOCK
-    _LOCAL_COMMITS_LOCK = threading.Lock()
-    _LOCAL_COMMITS.clear()
-
-
-os.register_at_fork(after_in_child=_forget_local_commits)
-
-
 def _parse_url(url: str) -> tuple[Path, float]:
     """The database path and busy timeout a ``sqlite://`` URL names; a LogError says why not."""
     if not isinstance(url, str) or not url.startswith(_PREFIX):
@@ -358,7 +313,6 @@ class EmbeddedLog(LogConnector):
                 if db.in_transaction:
                     db.execute("ROLLBACK")
                 raise
-        _local_commits(self.path).committed({stream for stream, _, _ in batches})
         return out
 
     def read(
@@ -373,16 +327,13 @@ class EmbeddedLog(LogConnector):
         self, stream: Stream, job_id: str, from_position: int, timeout: float
     ) -> list[Entry]:
         """Poll ``data_version`` (it changes when another connection commits) with a backoff
-        from 1 ms to 20 ms, and run the query again only after a change; a commit to this
-        stream by this process ends the wait at once."""
+        from 1 ms to 20 ms, and run the query again only after a change."""
         stream = Stream(stream)
-        local = _local_commits(self.path)
         deadline = time.monotonic() + max(timeout, 0.0)
         delay = FIRST_POLL_S
         while True:
-            # Both marks are taken before the query, so a commit after it is never missed.
-            seen = local.count(stream)
             with self._db() as db:
+                # The version is read before the query, so a commit after it is never missed.
                 version = self._data_version(db)
                 rows = self._select(db, stream, job_id, from_position, None)
             if rows:
@@ -391,9 +342,7 @@ class EmbeddedLog(LogConnector):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return []
-                local.wait(stream, seen, min(delay, remaining))
-                if local.count(stream) != seen:
-                    break
+                time.sleep(min(delay, remaining))
                 delay = min(delay * 2, MAX_POLL_S)
                 with self._db() as db:
                     if self._data_version(db) != version:
