@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from flashrecovery.chain import verify as verify_chains
-from flashrecovery.connectors import open_log
+from flashrecovery.connectors import embedded, open_log
 from flashrecovery.connectors.embedded import EmbeddedLog
 from flashrecovery.errors import LogError
-from flashrecovery.records import Heartbeat, Stream
+from flashrecovery.records import Heartbeat, IsolateRank, Stream
 
 
 def heartbeat(step: int) -> Heartbeat:
@@ -167,3 +167,34 @@ def test_a_group_commit_that_fails_is_reported_lost_and_its_writers_chain_restar
     assert first is not None and after is not None
     assert after.writer != first.writer and after.seq == 0
     assert verify_chains({Stream.EVENTS: entries}).ok
+
+
+def test_a_decisions_follower_wakes_on_this_process_commit_without_polling(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Polls a minute apart: only the in-process wake-up can end the follow well inside them.
+    The writer is another handle on the file (the agent's engine and its relay are two), and a
+    commit to the events stream first does not end the wait."""
+    monkeypatch.setattr(embedded, "FIRST_POLL_S", 60.0)
+    monkeypatch.setattr(embedded, "MAX_POLL_S", 60.0)
+    url = f"sqlite:///{tmp_path / 'run.db'}"
+    with EmbeddedLog.from_url(url) as follower_log, EmbeddedLog.from_url(url) as writer_log:
+        start = writer_log.append(Stream.EVENTS, heartbeat(0))
+        waiting = threading.Event()
+        got: list[list[int]] = []
+
+        def follow() -> None:
+            waiting.set()
+            entries = follower_log.follow(Stream.DECISIONS, "job", 0, timeout=120.0)
+            got.append([entry.position for entry in entries])
+
+        thread = threading.Thread(target=follow, daemon=True)
+        thread.start()
+        assert waiting.wait(10.0)
+        writer_log.append(Stream.EVENTS, heartbeat(1))
+        isolate = IsolateRank(job_id="job", generation=0, source="engine", caused_by=start,
+                              rank=0, reason="test")  # fmt: skip
+        position = writer_log.append(Stream.DECISIONS, isolate)
+        thread.join(30.0)
+        assert not thread.is_alive()
+        assert got == [[position]]

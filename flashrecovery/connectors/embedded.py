@@ -65,6 +65,57 @@ _SCHEMA = (
 _INHERITED: list[sqlite3.Connection] = []
 
 
+class _LocalCommits:
+    """This process's commits of decisions to one file: a follower of the decisions in the same
+    process (the agent relaying its engine's decisions to its ranks) wakes on one at once
+    instead of at its next poll, up to 20 ms later, on each hop of a recovery (a spare's
+    activation came 14-27 ms after its decision, 3-8 ms with this). Only decisions: the events
+    carry every step's records, and waking the engine on each (and waiting on a condition in
+    every poll) cost the agent 0.5-0.8 % of a core at 2 ranks. Other processes' commits are
+    still found by polling."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._counts: dict[Stream, int] = dict.fromkeys(Stream, 0)
+
+    def count(self, stream: Stream) -> int:
+        with self._changed:
+            return self._counts[stream]
+
+    def committed(self, streams: set[Stream]) -> None:
+        if not streams:
+            return
+        with self._changed:
+            for stream in streams:
+                self._counts[stream] += 1
+            self._changed.notify_all()
+
+    def wait(self, stream: Stream, seen: int, timeout: float) -> None:
+        """Until this process commits to ``stream`` after ``seen``, or ``timeout`` passes."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._counts[stream] != seen, timeout)
+
+
+SIGNALLED = {Stream.DECISIONS}  # the streams whose local commits wake a follower at once
+_LOCAL_COMMITS: dict[Path, _LocalCommits] = {}
+_LOCAL_COMMITS_LOCK = threading.Lock()
+
+
+def _local_commits(path: Path) -> _LocalCommits:
+    with _LOCAL_COMMITS_LOCK:
+        return _LOCAL_COMMITS.setdefault(path, _LocalCommits())
+
+
+def _forget_local_commits() -> None:
+    """A forked child starts with fresh conditions: another thread may have held one at fork."""
+    global _LOCAL_COMMITS_LOCK
+    _LOCAL_COMMITS_LOCK = threading.Lock()
+    _LOCAL_COMMITS.clear()
+
+
+os.register_at_fork(after_in_child=_forget_local_commits)
+
+
 def _parse_url(url: str) -> tuple[Path, float]:
     """The database path and busy timeout a ``sqlite://`` URL names; a LogError says why not."""
     if not isinstance(url, str) or not url.startswith(_PREFIX):
@@ -313,6 +364,7 @@ class EmbeddedLog(LogConnector):
                 if db.in_transaction:
                     db.execute("ROLLBACK")
                 raise
+        _local_commits(self.path).committed({stream for stream, _, _ in batches} & SIGNALLED)
         return out
 
     def read(
@@ -327,13 +379,16 @@ class EmbeddedLog(LogConnector):
         self, stream: Stream, job_id: str, from_position: int, timeout: float
     ) -> list[Entry]:
         """Poll ``data_version`` (it changes when another connection commits) with a backoff
-        from 1 ms to 20 ms, and run the query again only after a change."""
+        from 1 ms to 20 ms, and run the query again only after a change; a commit of decisions
+        by this process ends a wait for decisions at once."""
         stream = Stream(stream)
+        local = _local_commits(self.path) if stream in SIGNALLED else None
         deadline = time.monotonic() + max(timeout, 0.0)
         delay = FIRST_POLL_S
         while True:
+            # Both marks are taken before the query, so a commit after it is never missed.
+            seen = local.count(stream) if local is not None else 0
             with self._db() as db:
-                # The version is read before the query, so a commit after it is never missed.
                 version = self._data_version(db)
                 rows = self._select(db, stream, job_id, from_position, None)
             if rows:
@@ -342,7 +397,12 @@ class EmbeddedLog(LogConnector):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return []
-                time.sleep(min(delay, remaining))
+                if local is None:
+                    time.sleep(min(delay, remaining))
+                else:
+                    local.wait(stream, seen, min(delay, remaining))
+                    if local.count(stream) != seen:
+                        break
                 delay = min(delay * 2, MAX_POLL_S)
                 with self._db() as db:
                     if self._data_version(db) != version:
