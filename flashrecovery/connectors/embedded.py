@@ -69,7 +69,7 @@ class _LocalCommits:
     """This process's commits of decisions to one file: a follower of the decisions in the same
     process (the agent relaying its engine's decisions to its ranks) wakes on one at once
     instead of at its next poll, up to 20 ms later, on each hop of a recovery (a spare's
-    activation came 14-27 ms after its decision, 3-8 ms with this). Only decisions: the events
+    activation came 14-27 ms after its decision, 3-14 ms with this). Only decisions: the events
     carry every step's records, and waking the engine on each (and waiting on a condition in
     every poll) cost the agent 0.5-0.8 % of a core at 2 ranks. Other processes' commits are
     still found by polling."""
