@@ -65,7 +65,7 @@ _SCHEMA = (
 _INHERITED: list[sqlite3.Connection] = []
 
 
-class _LocalCommits:
+class _LocalDecisions:
     """This process's commits of decisions to one file: a follower of the decisions in the same
     process (the agent relaying its engine's decisions to its ranks) wakes on one at once
     instead of at its next poll, up to 20 ms later, on each hop of a recovery (a spare's
@@ -76,44 +76,36 @@ class _LocalCommits:
 
     def __init__(self) -> None:
         self._changed = threading.Condition()
-        self._counts: dict[Stream, int] = dict.fromkeys(Stream, 0)
+        self.count = 0  # commits of decisions so far; read without the lock, it only grows
 
-    def count(self, stream: Stream) -> int:
+    def committed(self) -> None:
         with self._changed:
-            return self._counts[stream]
-
-    def committed(self, streams: set[Stream]) -> None:
-        if not streams:
-            return
-        with self._changed:
-            for stream in streams:
-                self._counts[stream] += 1
+            self.count += 1
             self._changed.notify_all()
 
-    def wait(self, stream: Stream, seen: int, timeout: float) -> None:
-        """Until this process commits to ``stream`` after ``seen``, or ``timeout`` passes."""
+    def wait(self, seen: int, timeout: float) -> None:
+        """Until this process commits decisions after ``seen``, or ``timeout`` passes."""
         with self._changed:
-            self._changed.wait_for(lambda: self._counts[stream] != seen, timeout)
+            self._changed.wait_for(lambda: self.count != seen, timeout)
 
 
-SIGNALLED = {Stream.DECISIONS}  # the streams whose local commits wake a follower at once
-_LOCAL_COMMITS: dict[Path, _LocalCommits] = {}
-_LOCAL_COMMITS_LOCK = threading.Lock()
+_LOCAL_DECISIONS: dict[Path, _LocalDecisions] = {}
+_LOCAL_DECISIONS_LOCK = threading.Lock()
 
 
-def _local_commits(path: Path) -> _LocalCommits:
-    with _LOCAL_COMMITS_LOCK:
-        return _LOCAL_COMMITS.setdefault(path, _LocalCommits())
+def _local_decisions(path: Path) -> _LocalDecisions:
+    with _LOCAL_DECISIONS_LOCK:
+        return _LOCAL_DECISIONS.setdefault(path, _LocalDecisions())
 
 
-def _forget_local_commits() -> None:
+def _forget_local_decisions() -> None:
     """A forked child starts with fresh conditions: another thread may have held one at fork."""
-    global _LOCAL_COMMITS_LOCK
-    _LOCAL_COMMITS_LOCK = threading.Lock()
-    _LOCAL_COMMITS.clear()
+    global _LOCAL_DECISIONS_LOCK
+    _LOCAL_DECISIONS_LOCK = threading.Lock()
+    _LOCAL_DECISIONS.clear()
 
 
-os.register_at_fork(after_in_child=_forget_local_commits)
+os.register_at_fork(after_in_child=_forget_local_decisions)
 
 
 def _parse_url(url: str) -> tuple[Path, float]:
@@ -364,7 +356,8 @@ class EmbeddedLog(LogConnector):
                 if db.in_transaction:
                     db.execute("ROLLBACK")
                 raise
-        _local_commits(self.path).committed({stream for stream, _, _ in batches} & SIGNALLED)
+        if any(stream is Stream.DECISIONS for stream, _, _ in batches):
+            _local_decisions(self.path).committed()
         return out
 
     def read(
@@ -382,12 +375,12 @@ class EmbeddedLog(LogConnector):
         from 1 ms to 20 ms, and run the query again only after a change; a commit of decisions
         by this process ends a wait for decisions at once."""
         stream = Stream(stream)
-        local = _local_commits(self.path) if stream in SIGNALLED else None
+        local = _local_decisions(self.path) if stream is Stream.DECISIONS else None
         deadline = time.monotonic() + max(timeout, 0.0)
         delay = FIRST_POLL_S
         while True:
             # Both marks are taken before the query, so a commit after it is never missed.
-            seen = local.count(stream) if local is not None else 0
+            seen = local.count if local is not None else 0
             with self._db() as db:
                 version = self._data_version(db)
                 rows = self._select(db, stream, job_id, from_position, None)
@@ -400,8 +393,8 @@ class EmbeddedLog(LogConnector):
                 if local is None:
                     time.sleep(min(delay, remaining))
                 else:
-                    local.wait(stream, seen, min(delay, remaining))
-                    if local.count(stream) != seen:
+                    local.wait(seen, min(delay, remaining))
+                    if local.count != seen:
                         break
                 delay = min(delay * 2, MAX_POLL_S)
                 with self._db() as db:
