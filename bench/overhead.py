@@ -13,7 +13,10 @@ Sides (bench/overhead_rank.py runs every one of them through the same step loop)
 - ``hook-hsdp``: the same HSDP over the session's stable mesh, under ``flashrecovery run``.
 
 A hook side pays everything the hook adds: the vote on the store, the StepCompleted record, the
-heartbeat and decisions threads, and the agent (with its engine) on the same cores. Runs are
+heartbeat and decisions threads, and the agent (with its engine) on the same cores. Beside wall
+time it counts CPU: each rank's per step, and the agent's over the ranks' steady steps, so the
+hook's whole cost in CPU per step (every rank plus the agent, against the baseline's ranks) is
+there too; unlike wall time on shared cores, a busy machine barely moves it. Runs are
 interleaved (each repeat rotates the order, so a busy spell hits every side) and each repeat's
 hook side is compared with the same repeat's baseline, which shows the spread. Results:
 bench/results/overhead.json (with the load average around every run), a table, and
@@ -23,6 +26,7 @@ bench/results/overhead.png. It measures; it asserts nothing.
 from __future__ import annotations
 
 import argparse
+import bisect
 import os
 import statistics
 import tempfile
@@ -31,6 +35,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -44,6 +49,7 @@ from flashrecovery.demo.job import LaunchedJob
 RANK_SCRIPT = Path(__file__).resolve().with_name("overhead_rank.py")
 PARTS = ("total", "compute", "commit", "optimizer", "cpu")  # overhead_rank.StepTimes
 WARMUP = 5  # first steps pay one-time costs (allocations, gloo buffers)
+AGENT_SAMPLE_S = 0.1  # how often the agent's CPU time is read while a hook side runs
 
 
 @dataclass(frozen=True)
@@ -62,7 +68,13 @@ SIDES = {
 }
 
 
-def hook_run(side: Side, model: str, world: int, steps: int, out: Path, timeout: float) -> None:
+CpuSamples = list[tuple[float, float]]  # (unix time, the agent's CPU seconds so far)
+
+
+def hook_run(
+    side: Side, model: str, world: int, steps: int, out: Path, timeout: float
+) -> CpuSamples:
+    """The job under ``flashrecovery run``; its agent's CPU time, sampled while it runs."""
     spec = replace(
         job_spec(out.name, out.parent, nproc=world, spares=0, steps=steps),
         parallel=side.parallel,  # hsdp: the job gets --shards
@@ -72,13 +84,27 @@ def hook_run(side: Side, model: str, world: int, steps: int, out: Path, timeout:
             *("--steps", str(steps), "--out", str(out / "times")),
         ),
     )
+    samples: CpuSamples = []
     with LaunchedJob(spec) as job:
-        code = job.wait(timeout)
+        agent = psutil.Process(job.pid)
+        deadline = time.monotonic() + timeout
+        code = None
+        while code is None and time.monotonic() < deadline:
+            try:
+                cpu = agent.cpu_times()
+            except psutil.NoSuchProcess:
+                pass  # ended: the wait below says how
+            else:
+                samples.append((time.time(), cpu.user + cpu.system))
+            code = job.wait(AGENT_SAMPLE_S)
         if code != 0:
             raise RuntimeError(f"{side} ended with {code}:\n{job.output_tail()}")
+    return samples
 
 
-def plain_run(side: Side, model: str, world: int, steps: int, out: Path, timeout: float) -> None:
+def plain_run(
+    side: Side, model: str, world: int, steps: int, out: Path, timeout: float
+) -> CpuSamples:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     context = mp.start_processes(
         plain_rank,
@@ -97,6 +123,7 @@ def plain_run(side: Side, model: str, world: int, steps: int, out: Path, timeout
             if process.is_alive():
                 process.kill()
             process.join(5)
+    return []  # no agent
 
 
 def run(
@@ -106,9 +133,13 @@ def run(
     side = SIDES[name]
     load_before = os.getloadavg()[0]
     started = time.monotonic()
-    (hook_run if side.hook else plain_run)(side, model, world, steps, out, timeout)
+    agent_cpu = (hook_run if side.hook else plain_run)(side, model, world, steps, out, timeout)
     ranks = read_times(out / "times", world)
     steady = [{part: getattr(r, part)[WARMUP:] for part in PARTS} for r in ranks]
+    parts = {part: _median_ms([t for r in steady for t in r[part]]) for part in PARTS[1:]}
+    parts["agent_cpu"] = _agent_ms_per_step(agent_cpu, ranks[0].ended[WARMUP - 1 :])
+    # CPU of the whole job per step: every rank's, and the agent's
+    parts["job_cpu"] = world * parts["cpu"] + parts["agent_cpu"]
     return {
         "side": name,
         "repeat": repeat,
@@ -116,13 +147,28 @@ def run(
         "load_1m_before_after": [load_before, os.getloadavg()[0]],
         "params_sha256": ranks[0].params_sha256,
         "median_ms": _median_ms([t for r in steady for t in r["total"]]),
-        "parts_ms": {part: _median_ms([t for r in steady for t in r[part]]) for part in PARTS[1:]},
+        "parts_ms": parts,
         "step_ms": [round(t * 1000, 3) for r in steady for t in r["total"]],
     }
 
 
 def _median_ms(seconds: list[float]) -> float:
     return statistics.median(seconds) * 1000
+
+
+def _agent_ms_per_step(samples: CpuSamples, ended: list[float]) -> float:
+    """The agent's CPU ms per step over the steady steps (``ended``: the step before the first
+    of them, then each one's end), from the samples around that window; 0 without an agent."""
+    if len(samples) < 2 or len(ended) < 2:
+        return 0.0
+    return (_cpu_at(samples, ended[-1]) - _cpu_at(samples, ended[0])) * 1000 / (len(ended) - 1)
+
+
+def _cpu_at(samples: CpuSamples, when: float) -> float:
+    """The agent's CPU time at ``when``, interpolated between the samples around it."""
+    i = min(max(bisect.bisect_left(samples, (when,)), 1), len(samples) - 1)
+    (t0, c0), (t1, c1) = samples[i - 1], samples[i]
+    return c0 + (c1 - c0) * min(max((when - t0) / (t1 - t0), 0.0), 1.0) if t1 > t0 else c1
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -141,7 +187,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "run_medians_ms": [r["median_ms"] for r in side_runs],
             "parts_ms": {
                 part: statistics.median(r["parts_ms"][part] for r in side_runs)
-                for part in PARTS[1:]
+                for part in side_runs[0]["parts_ms"]
             },
         }
         base_by_repeat = {r["repeat"]: r for r in by_side.get(SIDES[name].baseline or "", [])}
@@ -155,6 +201,10 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             sides[name]["baseline"] = baseline
             sides[name]["overhead_pct"] = 100 * (sides[name]["median_ms"] / base_median - 1)
             sides[name]["overhead_pct_per_repeat"] = per_repeat
+            base_cpu = statistics.median(r["parts_ms"]["job_cpu"] for r in by_side[baseline])
+            sides[name]["job_cpu_overhead_pct"] = 100 * (
+                sides[name]["parts_ms"]["job_cpu"] / base_cpu - 1
+            )
             sides[name]["bitwise_equal_to_baseline"] = all(
                 a["params_sha256"] == b["params_sha256"] for a, b in pairs
             )
@@ -275,8 +325,9 @@ def overhead_table(results: list[dict[str, Any]], load_min: float, load_max: flo
                     f"{s['median_ms']:.1f}",
                     f"{s['p10_ms']:.1f}-{s['p90_ms']:.1f}",
                     f"{parts['compute']:.1f} / {parts['commit']:.2f} / {parts['optimizer']:.1f}",
-                    f"{parts['cpu']:.1f}",
+                    f"{parts['cpu']:.1f} / {parts['agent_cpu']:.1f}",
                     overhead,
+                    f"{s['job_cpu_overhead_pct']:+.1f}%" if "job_cpu_overhead_pct" in s else "",
                 ]
             )
     return table(
@@ -289,8 +340,9 @@ def overhead_table(results: list[dict[str, Any]], load_min: float, load_max: flo
             "median",
             "p10-p90",
             "fwd+bwd / commit / opt",
-            "CPU",
+            "CPU rank / agent",
             "vs baseline (repeats)",
+            "job CPU vs baseline",
         ],
         rows,
     )

@@ -55,6 +55,7 @@ class StepTimes:
     commit: list[float] = field(default_factory=list)  # session.commit() (0 without the hook)
     optimizer: list[float] = field(default_factory=list)
     cpu: list[float] = field(default_factory=list)  # the process's CPU time (all its threads)
+    ended: list[float] = field(default_factory=list)  # unix time at its end (the agent's share)
 
     def write(self, out: Path) -> None:
         """Read only once every rank has exited, so no reader sees half a file."""
@@ -144,6 +145,7 @@ def train(
             times.commit.append(voted - computed)
             times.optimizer.append(now - voted)
             times.cpu.append(cpu - last_cpu)
+            times.ended.append(time.time())
         last, last_cpu = now, cpu
     times.params_sha256 = parameters_sha256(model)  # sharded: gathered, a collective
     return times
