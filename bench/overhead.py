@@ -6,6 +6,9 @@
 Sides (bench/overhead_rank.py runs every one of them through the same step loop):
 
 - ``ddp``: plain torch DDP on gloo, its own processes and store: the baseline;
+- ``stable-ddp``: the same DDP over the hook's stable process group (gloo underneath, buckets
+  settled as ``register()`` settles them) with no session and no agent: what the group alone
+  costs;
 - ``hook-ddp``: the same DDP over the session's stable process group, under ``flashrecovery
   run``; ``commit()`` only votes;
 - ``hook``: the hook's own reduce (no DDP): ``commit()`` averages the gradients, votes and steps;
@@ -57,10 +60,12 @@ class Side:
     parallel: str  # overhead_rank.py --parallel
     hook: bool  # under flashrecovery run, or plain torch
     baseline: str | None = None  # the side it is measured against
+    stable: bool = False  # plain processes over the hook's stable group (no session, no agent)
 
 
 SIDES = {
     "ddp": Side("ddp", hook=False),
+    "stable-ddp": Side("ddp", hook=False, baseline="ddp", stable=True),
     "hook-ddp": Side("ddp", hook=True, baseline="ddp"),
     "hook": Side("hook", hook=True, baseline="ddp"),
     "hsdp": Side("hsdp", hook=False),
@@ -108,7 +113,7 @@ def plain_run(
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     context = mp.start_processes(
         plain_rank,
-        args=(world, store.port, model, side.parallel, steps, str(out / "times")),
+        args=(world, store.port, model, side.parallel, steps, str(out / "times"), side.stable),
         nprocs=world,
         join=False,
         start_method="spawn",

@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from flashrecovery.demo.data import BLOCK_SIZE, batch_for, vocabulary
 from flashrecovery.demo.job import HSDP_SHARDS
 from flashrecovery.demo.model import GPTConfig, TinyGPT, lm_loss
-from flashrecovery.trainer_hooks import Session, init
+from flashrecovery.trainer_hooks import Session, ddp, init, stable_group
 from flashrecovery.trainer_hooks.final_state import parameters_sha256
 
 MODELS = ("gpt", "mlp")
@@ -115,9 +115,12 @@ def train(
     world: int,
     mesh: DeviceMesh | None,
     session: Session | None,
+    stable: bool = False,
 ) -> StepTimes:
     """Build, wrap and train; with a session every step commits through it (the hook's own
-    reduce when ``parallel`` is "hook"), and the caller's optimizer steps when it commits."""
+    reduce when ``parallel`` is "hook"), and the caller's optimizer steps when it commits.
+    ``stable``: DDP on the hook's stable group without a session, its buckets settled as
+    ``register()`` settles them."""
     model, batch = model_and_data(name)
     forward = wrap(model, parallel, mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
@@ -126,6 +129,8 @@ def train(
     if session is not None:
         session.register(forward, optimizer)
         step_range = session.steps(steps)
+    elif stable:
+        ddp.settle_buckets(forward)
     last, last_cpu = time.perf_counter(), time.process_time()
     for step in step_range:
         optimizer.zero_grad(set_to_none=True)
@@ -152,20 +157,32 @@ def train(
 
 
 def plain_rank(
-    rank: int, world: int, port: int, name: str, parallel: str, steps: int, out: str
+    rank: int, world: int, port: int, name: str, parallel: str, steps: int, out: str, stable: bool
 ) -> None:
-    """One rank of a baseline: plain torch on gloo, its own store (spawned: module level).
+    """One rank of a baseline: plain torch on gloo, its own store (spawned: module level);
+    ``stable``: over the hook's stable group instead (generation 0 for the whole run).
 
     In a session of its own, as the agent starts a hook's rank: with the kernel's autogroup
     scheduling each session gets its fair share of a busy machine, so ranks sharing the bench's
     session would get less CPU than the hook's and look slower than they are."""
     os.setsid()
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=STORE_TIMEOUT)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    if stable:
+        groups = stable_group.StableGroups("cpu")
+        stable_group.register(groups)
+        groups.attach(store, 0)
+        dist.init_process_group(
+            stable_group.BACKEND,
+            store=dist.PrefixStore("torch/", store),
+            rank=rank,
+            world_size=world,
+        )
+    else:
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     mesh = None
     if parallel == "hsdp":
         mesh = init_device_mesh("cpu", hsdp_shape(world), mesh_dim_names=("replicate", "shard"))
-    train(name, parallel, steps, rank, world, mesh, None).write(Path(out))
+    train(name, parallel, steps, rank, world, mesh, None, stable).write(Path(out))
     dist.barrier()  # no rank leaves while another is still in a collective
     # Skip torch's teardown, as the hook's ranks do: it aborted a gpt baseline ("terminate
     # called without an active exception") after its times were written.

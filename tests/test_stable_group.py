@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions
+from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, BarrierOptions
 
 from flashrecovery.trainer_hooks import ddp, stable_group
 from flashrecovery.trainer_hooks.position import DataPosition
@@ -35,6 +35,7 @@ def test_a_group_in_no_generation_is_local() -> None:
     summed = torch.tensor([5.0])
     future = group.allreduce([summed], AllreduceOptions()).get_future()
     assert future.value() == [summed] and summed.item() == 5.0  # left as it is
+    assert group.barrier(opts=BarrierOptions()).wait()  # torch passes its options by keyword
     assert group.error is None
 
 
@@ -53,6 +54,7 @@ def _ddp_rank(rank: int, port: int, out: str, device: str) -> None:
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1).to(device))
     batch = torch.ones(2, 4, device=device)
     model(batch).sum().backward()  # a step with both ranks
+    dist.barrier()  # as a user's script would (torch passes its options by keyword)
     store.set(f"stepped/{rank}", "1")
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -62,6 +64,7 @@ def _ddp_rank(rank: int, port: int, out: str, device: str) -> None:
     # The rest of the step's collectives return at once.
     after = dist.all_reduce(torch.ones(1, device=device), async_op=True)
     assert after is not None and after.is_completed() and after.wait()
+    dist.barrier()  # returns at once too
     Path(out).write_text(stable.error() or "")
     os._exit(0)
 

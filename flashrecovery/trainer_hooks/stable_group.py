@@ -227,13 +227,14 @@ class StableGroup(dist.ProcessGroup):
 
     # ------------------------------------------------------------------ collectives
 
-    def _run(self, op: str, args: Sequence[Any]) -> dist.Work:
+    def _run(self, op: str, args: Sequence[Any], options: dict[str, Any]) -> dist.Work:
+        """``options``: what torch passes by keyword (``dist.barrier()`` gives ``opts=``)."""
         with self._lock:
             inner = None if self._error is not None else self._inner
         if inner is None:
             return _DoneWork(_local_outputs(op, args, self.size()))
         try:
-            work = getattr(inner, op)(*args)
+            work = getattr(inner, op)(*args, **options)
         except RuntimeError as exc:
             self.fail(str(exc))
             return _DoneWork(_local_outputs(op, args, self.size()))
@@ -257,8 +258,8 @@ class StableGroup(dist.ProcessGroup):
 
 
 def _collective(op: str) -> Callable[..., dist.Work]:
-    def call(self: StableGroup, *args: Any) -> dist.Work:
-        return self._run(op, args)
+    def call(self: StableGroup, *args: Any, **options: Any) -> dist.Work:
+        return self._run(op, args, options)
 
     call.__name__ = op
     return call
