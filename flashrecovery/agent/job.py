@@ -50,6 +50,10 @@ from flashrecovery.trainer_hooks.heartbeat import HeartbeatThread
 
 log = structlog.get_logger("flashrecovery.agent")
 FOLLOW_TIMEOUT_S = 0.1  # how often the agent looks at its children between decisions
+# How long its engine's follow waits for records before it runs the time-based detectors
+# anyway (they also run after every batch of records): theirs are seconds-long windows, and
+# waking 20 times a second to find nothing cost the agent CPU the ranks share.
+ENGINE_POLL_S = 0.2
 NODES_DONE_WAIT_S = 10.0  # node 0 keeps the store this long for the others to see the end
 STUCK_AFTER_S = 120.0  # a rank has had no live process this long: nothing will recover it
 LOG_OUTAGE_S = 60.0  # how long a record is retried while the log is away
@@ -108,7 +112,7 @@ class Agent:
         self.job_id, self.node = member.job_id, member.node
         engine = None
         if config.hosts_store and not config.external_engine:
-            engine = EngineLoop(self.log_url, self.job_id).start()
+            engine = EngineLoop(self.log_url, self.job_id, poll_s=ENGINE_POLL_S).start()
         self._engine = engine
         # The processes talk to their agent, not to the log: their beats in one record, their
         # other records in batches, the decisions relayed. Only the agent writes, so a rank

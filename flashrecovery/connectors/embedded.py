@@ -42,7 +42,10 @@ from flashrecovery.records import Stream
 
 SCHEMA_VERSION = 1
 DEFAULT_TIMEOUT_S = 30.0
-FIRST_POLL_S = 0.001  # follow's first wait; doubles up to MAX_POLL_S
+# follow's first wait; doubles up to MAX_POLL_S. 5 ms, not 1: a follower of a job's events
+# (the agent's engine) starts a follow after every step's records, and polls before the next
+# step's came cost the agent CPU that the ranks share (docs/hook.md, what the hook costs).
+FIRST_POLL_S = 0.005
 MAX_POLL_S = 0.02
 _PREFIX = "sqlite://"
 _OPTIONS = ("timeout",)
