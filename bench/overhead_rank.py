@@ -169,14 +169,8 @@ def plain_rank(
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=STORE_TIMEOUT)
     if stable:
         groups = stable_group.StableGroups("cpu")
-        stable_group.register(groups)
         groups.attach(store, 0)
-        dist.init_process_group(
-            stable_group.BACKEND,
-            store=dist.PrefixStore("torch/", store),
-            rank=rank,
-            world_size=world,
-        )
+        stable_group.init_process_group(groups, store, rank, world)
     else:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     mesh = None

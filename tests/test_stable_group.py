@@ -45,11 +45,8 @@ def _ddp_rank(rank: int, port: int, out: str, device: str) -> None:
         torch.cuda.set_device(rank)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
     stable = stable_group.StableGroups(device)
-    stable_group.register(stable)
     stable.attach(store, 0)
-    dist.init_process_group(
-        stable_group.BACKEND, store=dist.PrefixStore("torch/", store), rank=rank, world_size=2
-    )
+    stable_group.init_process_group(stable, store, rank, 2)
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1).to(device))
     batch = torch.ones(2, 4, device=device)
@@ -102,11 +99,8 @@ def _stuck_peer_rank(rank: int, port: int, out: str, where: str) -> None:
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
     planner = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
     stable = stable_group.StableGroups("cpu", lambda: planner.check(["planned"]))
-    stable_group.register(stable)
     stable.attach(store, 0)
-    dist.init_process_group(
-        stable_group.BACKEND, store=dist.PrefixStore("torch/", store), rank=rank, world_size=2
-    )
+    stable_group.init_process_group(stable, store, rank, 2)
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
     batch = torch.ones(2, 4)

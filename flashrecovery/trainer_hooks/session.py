@@ -206,13 +206,7 @@ class Session:
                 heap.settle()
                 self._report_ready()
                 self._await_assignment()
-            stable_group.register(self._stable)
-            dist.init_process_group(
-                stable_group.BACKEND,
-                store=dist.PrefixStore("torch/", self._store),
-                rank=self.rank,
-                world_size=self.world_size,
-            )
+            stable_group.init_process_group(self._stable, self._store, self.rank, self.world_size)
         elif not self._stable.in_use:
             raise ConfigError(
                 "torch.distributed is already initialized: let session.process_group() (or "

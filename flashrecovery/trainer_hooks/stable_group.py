@@ -318,9 +318,13 @@ class StableGroups:
         return None
 
 
-def register(stable: StableGroups) -> None:
-    """Make ``BACKEND`` a torch distributed backend whose groups are ``stable``'s (once per
-    process: torch keeps one default group)."""
+def init_process_group(stable: StableGroups, store: dist.Store, rank: int, world_size: int) -> None:
+    """Make torch's default group one of ``stable``'s: ``BACKEND`` becomes a torch distributed
+    backend whose groups are ``stable``'s (once per process: torch keeps one default group),
+    rendezvousing under ``torch/`` of ``store``."""
     dist.Backend.register_backend(
         BACKEND, stable.create, extended_api=True, devices=["cpu", "cuda"]
+    )
+    dist.init_process_group(
+        BACKEND, store=dist.PrefixStore("torch/", store), rank=rank, world_size=world_size
     )
