@@ -37,13 +37,13 @@ def test_marker_only_once_every_part_is_written(store: dist.Store, tmp_path: Pat
     ]
     states = [{"w": torch.full((3,), float(r)), "committed_step": 5} for r in range(2)]
     path = checkpoint.step_dir(tmp_path, 5, 1)
-    writers[0].save(5, 1, 0, 2, checkpoint.stage(states[0]))
+    writers[0].save(5, 1, 0, 2, states[0])
     writers[0].drain()
     assert not done.wait(0.2)  # rank 1's part is missing: no marker, nothing reported
     assert not (path / checkpoint.MARKER).exists()
     with pytest.raises(ProtocolError, match="not a complete checkpoint"):
         checkpoint.load(path, 0, {"w": torch.zeros(3), "committed_step": -1})
-    writers[1].save(5, 1, 1, 2, checkpoint.stage(states[1]))
+    writers[1].save(5, 1, 1, 2, states[1])
     assert done.wait(30)
     writers[0].close(30)
     assert completed == [(5, str(path))]

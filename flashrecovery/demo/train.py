@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LambdaLR
 
@@ -84,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     model, optimizer, schedule = build(args.seed)
     forward: torch.nn.Module = model
     if mesh is not None:
+        # Here, not at the top: FSDP2's import costs a rank half a second of CPU at start,
+        # which a replacement spawned fresh for the other modes would pay for nothing.
+        from torch.distributed.fsdp import fully_shard
+
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)

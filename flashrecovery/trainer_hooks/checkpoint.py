@@ -106,9 +106,11 @@ class Checkpointer:
     def save(
         self, step: int, generation: int, rank: int, world_size: int, state: dict[str, Any]
     ) -> None:
-        """Write ``state`` (staged) in the background; wait first for this rank's previous
-        part, so that a slow disk slows the steps down instead of piling copies up."""
+        """Stage a copy of ``state`` now and write it in the background; wait first for this
+        rank's previous part, so that a slow disk slows the steps down instead of piling copies
+        up."""
         self.drain()
+        state = stage(state)
         self._written.clear()
         path = step_dir(self.root, step, generation)
         thread = threading.Thread(
@@ -123,6 +125,15 @@ class Checkpointer:
     def drain(self) -> None:
         """Wait until this rank's part in flight, if any, is written."""
         self._written.wait()
+
+    def prepare_load(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before a fallback's load: this rank's own part in flight is not half-written, and
+        the optimizer has the state entries the load fills in."""
+        self.drain()
+        prepare_optimizer(optimizer)
+
+    def load(self, path: Path, rank: int, state: dict[str, Any]) -> dict[str, Any]:
+        return load(path, rank, state)
 
     def close(self, timeout: float) -> None:
         """At the end of training: let the last checkpoint complete (bounded)."""

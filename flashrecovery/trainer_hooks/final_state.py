@@ -15,7 +15,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from torch.distributed.tensor import DTensor
 
 ENV = "FLASHRECOVERY_FINAL_STATE"
 
@@ -23,6 +22,10 @@ ENV = "FLASHRECOVERY_FINAL_STATE"
 def parameters_sha256(model: torch.nn.Module) -> str:
     """Digest of every parameter's name and bytes in definition order: equal digests mean
     bitwise-equal models."""
+    # Here, not at the top: the agent imports this module for ENV, and DTensor's import (with
+    # sympy) cost it most of a second of CPU at every start.
+    from torch.distributed.tensor import DTensor
+
     digest = hashlib.sha256()
     for name, param in model.named_parameters():
         # A sharded parameter (FSDP2) is gathered whole: a collective of every rank.

@@ -21,7 +21,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -48,7 +48,6 @@ from flashrecovery.records import (
 )
 from flashrecovery.trainer_hooks import (
     barrier,
-    checkpoint,
     ddp,
     final_state,
     groups,
@@ -65,6 +64,9 @@ from flashrecovery.trainer_hooks.gradients import ReducedGradients
 from flashrecovery.trainer_hooks.groups import Group
 from flashrecovery.trainer_hooks.heartbeat import HeartbeatThread
 from flashrecovery.trainer_hooks.position import DataPosition
+
+if TYPE_CHECKING:
+    from flashrecovery.trainer_hooks.checkpoint import Checkpointer
 
 RECOVERY_TIMEOUT_S = 120.0  # longest wait for the engine's next recovery decision
 # An idle spare re-arms its wait this often (each expiry logs a c10d warning, hence long); it
@@ -118,16 +120,7 @@ class Session:
         self._stable = stable_group.StableGroups(
             "cuda" if torch.cuda.is_available() else "cpu", self._superseded
         )
-        self._checkpoints = (
-            None
-            if env.checkpoint_dir is None
-            else checkpoint.Checkpointer(
-                env.checkpoint_dir,
-                env.checkpoint_every,
-                lambda: groups.connect_store(env.master_addr, env.master_port, env.store_prefix),
-                lambda step, path: self._append(CheckpointSaved, step=step, path=path),
-            )
-        )
+        self._checkpoints = None if env.checkpoint_dir is None else self._checkpointer()
         self._checkpoint_due = False  # the step just committed is saved as the next begins
         self._follower = DecisionFollower(self._link, self._on_regroup)
         self._heartbeat = HeartbeatThread(env.agent_socket, env.heartbeat_interval_s, self._beat)
@@ -292,6 +285,20 @@ class Session:
             self._save_checkpoint()
         return step
 
+    def _checkpointer(self) -> Checkpointer:
+        # Imported only by a job that writes checkpoints: DCP costs a rank process most of a
+        # second of CPU at start (a fresh replacement pays it before it can train).
+        from flashrecovery.trainer_hooks.checkpoint import Checkpointer
+
+        env = self._env
+        assert env.checkpoint_dir is not None
+        return Checkpointer(
+            env.checkpoint_dir,
+            env.checkpoint_every,
+            lambda: groups.connect_store(env.master_addr, env.master_port, env.store_prefix),
+            lambda step, path: self._append(CheckpointSaved, step=step, path=path),
+        )
+
     def _save_checkpoint(self) -> None:
         """Save the committed step as a replacement would receive it: the caller's optimizer
         has stepped, and the random state and data position are the next step's, taken once
@@ -303,7 +310,7 @@ class Session:
             self._generation,
             self.rank,
             self.world_size,
-            checkpoint.stage(self._state()),
+            self._state(),
         )
 
     def _end_step(self) -> None:
@@ -574,9 +581,8 @@ class Session:
         self._fault("checkpoint_load", plan.step)
         assert self._optimizer is not None
         started = time.perf_counter()
-        self._checkpoints.drain()  # this rank's own part in flight is not half-written
-        checkpoint.prepare_optimizer(self._optimizer)
-        self._load(checkpoint.load(Path(plan.path), self.rank, self._state()))
+        self._checkpoints.prepare_load(self._optimizer)
+        self._load(self._checkpoints.load(Path(plan.path), self.rank, self._state()))
         self._checkpoint_due = False
         if self._committed_step != plan.step:
             raise ProtocolError(

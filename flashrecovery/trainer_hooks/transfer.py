@@ -22,14 +22,17 @@ from __future__ import annotations
 import pickle
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement
 
 from flashrecovery.errors import ProtocolError
+from flashrecovery.trainer_hooks.dtensors import is_dtensor
 from flashrecovery.trainer_hooks.groups import Group
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import Placement
 
 BUCKET_BYTES = 1 << 20  # pieces smaller than this share a message
 _HEADER, _STRUCTURE, _PAYLOAD = 0, 1, 2  # message tags; payload messages count up from 2
@@ -98,7 +101,7 @@ def _rebuild(state: Any, values: list[Any]) -> Any:
 
 def _pack(state: Any, tensors: list[torch.Tensor]) -> Any:
     """The structure with each tensor replaced by a reference; the tensors go to ``tensors``."""
-    if isinstance(state, DTensor):
+    if is_dtensor(state):
         local = _pack(state.to_local(), tensors)
         return _DTensorRef(local, tuple(state.placements), tuple(state.shape), state.stride())
     if isinstance(state, torch.Tensor):
@@ -141,7 +144,7 @@ def _unpack(
     if isinstance(skeleton, _DTensorRef):
         mine = own.get(path)
         if (
-            isinstance(mine, DTensor)
+            is_dtensor(mine)
             and mine.placements == skeleton.placements
             and _fits(mine.to_local(), skeleton.local)
         ):
@@ -149,6 +152,8 @@ def _unpack(
             return mine
         if mesh is None:
             raise ProtocolError("the donor sent DTensors, this rank has no device mesh")
+        from torch.distributed.tensor import DTensor  # a sharded job's: imported by FSDP2
+
         local = _unpack(skeleton.local, {}, into, mesh, path)
         return DTensor.from_local(
             local,
