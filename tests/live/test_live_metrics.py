@@ -8,11 +8,12 @@ import urllib.error
 from pathlib import Path
 
 import pytest
-from livejob import STEPS, run_job
+from livejob import STEPS, Processes, run_job
 from scrape import Samples, free_port, scrape, value
 
 from flashrecovery.chain import read_streams, verify
 from flashrecovery.observe.exporter import MetricsServer
+from flashrecovery.records import Envelope
 
 pytestmark = pytest.mark.timeout(240)
 SCRAPE_EVERY_S = 0.1
@@ -68,10 +69,27 @@ def is_subsequence(wanted: list[float], values: list[float]) -> bool:
 
 def test_metrics_through_a_kill_and_recovery_and_from_the_finished_log(tmp_path: Path) -> None:
     port = free_port()
-    # An early kill and slow steps: the refilled spare has time to get ready (a new spare
-    # imports torch and warms up: 10 s and more on two busy cores) before the job ends.
+    # An early kill; the ranks then hold before step 10 until the refilled spare (spare 1:
+    # a new process importing torch and warming up, seconds on two busy cores) is ready, so
+    # the scrapes see it back before the job ends.
+    gate = tmp_path / "gate"
+
+    def refilled(record: Envelope, known: Processes) -> bool:
+        if 1 in known.spares:
+            gate.touch()
+            return True
+        return False
+
     with Scraper(f"http://127.0.0.1:{port}/metrics") as scraper:
-        job = run_job(tmp_path, spares=1, kill_at={1: 3}, step_time_s=1.0, metrics_port=port)
+        job = run_job(
+            tmp_path,
+            spares=1,
+            kill_at={1: 3},
+            step_time_s=0.2,
+            metrics_port=port,
+            scenario=[refilled],
+            script_args=["--hold-at", "10", "--hold-file", str(gate)],
+        )
     assert job.exit_code == 0, job.records(type="job_finished")
     live = scraper.seen
     assert len(live) > 10, "the endpoint never answered"
