@@ -10,7 +10,7 @@ detection p50/p99 per fault kind,
 committed steps lost, records stored twice, step records lost or duplicated, and how many runs
 completed bitwise equal to their reference with a clean replay and no process left. JSON goes to
 bench/results/soak.json, a table to the terminal, RTO per kind to bench/results/soak.png.
-``--quick`` (one run of four faults) is what CI can afford. It measures, it asserts nothing.
+``--quick`` (one run of two faults) is what CI can afford. It measures, it asserts nothing.
 """
 
 from __future__ import annotations
@@ -130,10 +130,10 @@ def main() -> None:
     parser.add_argument("--min-step-s", type=float, default=0.05)
     parser.add_argument("--external-engine", action="store_true")
     parser.add_argument("--kafka", action="store_true")
-    parser.add_argument("--quick", action="store_true", help="one run of four faults")
+    parser.add_argument("--quick", action="store_true", help="one run of two faults")
     args = parser.parse_args()
     if args.quick:
-        args.faults, args.per_run = 4, 4
+        args.faults, args.per_run = 2, 2
     console = Console()
     runs = []
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
