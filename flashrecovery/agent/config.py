@@ -17,6 +17,7 @@ from flashrecovery.records import Stream
 from flashrecovery.trainer_hooks.faults import Fault, FaultPlan
 
 SPARE_REFILL = ("immediate", "after-recovery")
+START_METHODS = ("forkserver", "exec")  # how the agent starts its processes (agent/forkserver.py)
 _JOB_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
 LOOPBACK = "127.0.0.1"
 MAX_NODE_WAIT_S = 50.0  # below the members' wait at the regroup barrier (groups.COLLECTIVE_TIMEOUT)
@@ -78,6 +79,7 @@ class AgentConfig:
     max_replacements: int = 3  # the same rank failing this often at one step fails the job
     max_incidents: int | None = None  # incidents recovered at most (None: no bound)
     spare_refill: str = "immediate"  # or "after-recovery": when a taken spare is replaced
+    start_method: str = "forkserver"  # or "exec": a new interpreter per process
     metrics_port: int | None = None  # serve Prometheus metrics here (0: any free port)
     shards: int = 1  # model shards: rank r holds shard r % shards (a mesh's last dimension)
     checkpoint_dir: Path | None = None  # ranks save sharded checkpoints here (async, DCP)
@@ -135,6 +137,10 @@ class AgentConfig:
         if self.spare_refill not in SPARE_REFILL:
             raise ConfigError(
                 f"--spare-refill {self.spare_refill!r}: expected one of {', '.join(SPARE_REFILL)}"
+            )
+        if self.start_method not in START_METHODS:
+            raise ConfigError(
+                f"--start-method {self.start_method!r}: expected one of {', '.join(START_METHODS)}"
             )
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port must be 0..65535, got {self.metrics_port}")

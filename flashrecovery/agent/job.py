@@ -22,6 +22,7 @@ from flashrecovery import heap
 from flashrecovery.agent import rendezvous
 from flashrecovery.agent.actions import SPAWNS_PER_S, Actions, SpawnBudget
 from flashrecovery.agent.config import AgentConfig
+from flashrecovery.agent.forkserver import ForkServer
 from flashrecovery.agent.links import ProcessLinks
 from flashrecovery.agent.nodedir import NodeDir
 from flashrecovery.agent.relay import BeatRelay
@@ -58,6 +59,19 @@ NODES_DONE_WAIT_S = 10.0  # node 0 keeps the store this long for the others to s
 STUCK_AFTER_S = 120.0  # a rank has had no live process this long: nothing will recover it
 LOG_OUTAGE_S = 60.0  # how long a record is retried while the log is away
 LINK_DRAIN_S = 5.0  # longest wait for a process's handed-over records to reach the log
+
+
+def _base_env() -> dict[str, str]:
+    """What every process the agent starts (and its fork server) has in its environment."""
+    inherited = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("FLASHRECOVERY_") and k not in ("RANK", "LOCAL_RANK")
+    }
+    # The ranks must speak the agent's protocol: import the agent's flashrecovery first.
+    package_root = str(Path(flashrecovery.__file__).resolve().parent.parent)
+    python_path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+    return {**inherited, "PYTHONPATH": python_path, "OMP_NUM_THREADS": "1"}
 
 
 class Interrupted(BaseException):
@@ -101,9 +115,13 @@ class Agent:
             print(f"flashrecovery run: error: metrics port: {exc}", file=sys.stderr)
             self._log.close()
             return 2
+        # Its imports (seconds) overlap the rendezvous and the engine's start.
+        forks = ForkServer(_base_env()) if config.start_method == "forkserver" else None
         try:
             member = rendezvous.join(config, self._start_job)
         except ConfigError as exc:
+            if forks is not None:
+                forks.close()
             if self.metrics is not None:
                 self.metrics.stop()
             self._log.close()
@@ -121,6 +139,10 @@ class Agent:
         node_dir = NodeDir()
         relay = BeatRelay(node_dir.path)
         self._links = ProcessLinks(node_dir.path, self._log, LOG_OUTAGE_S)
+        if forks is not None and not forks.ready():
+            log.warning("no fork server: each process starts a new interpreter", why=forks.refusal)
+            forks.close()
+            forks = None
         supervisor = Supervisor(
             [sys.executable, str(config.script), *config.script_args],
             self._child_env(member.store, relay),
@@ -128,6 +150,7 @@ class Agent:
             config.output_dir,
             nproc_per_node=config.nproc,
             spare_ids=member.next_spare_id,
+            forks=forks,
         )
         actions = Actions(
             supervisor,
@@ -157,6 +180,8 @@ class Agent:
             try:
                 supervisor.teardown()  # first: no child may outlive an unreachable log
             finally:
+                if forks is not None:
+                    forks.close()
                 heartbeat.stop()
                 relay.close()
                 self._links.close(LINK_DRAIN_S)
@@ -312,22 +337,12 @@ class Agent:
                 return Outcome("failed", 1, f"a rank stayed down for {STUCK_AFTER_S:.0f}s")
 
     def _child_env(self, store: JobStore, relay: BeatRelay) -> dict[str, str]:
-        inherited = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith("FLASHRECOVERY_") and k not in ("RANK", "LOCAL_RANK")
-        }
-        # The ranks must speak the agent's protocol: import the agent's flashrecovery first.
-        package_root = str(Path(flashrecovery.__file__).resolve().parent.parent)
-        python_path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
         return {
-            **inherited,
+            **_base_env(),
             **store.environment(),
-            "PYTHONPATH": python_path,
             "WORLD_SIZE": str(self.config.nproc * self.config.nnodes),
             "LOCAL_WORLD_SIZE": str(self.config.nproc),
             "GROUP_RANK": str(self.node),
-            "OMP_NUM_THREADS": "1",
             "FLASHRECOVERY_JOB_ID": self.job_id,
             "FLASHRECOVERY_LOG": self.log_url,
             "FLASHRECOVERY_HEARTBEAT_INTERVAL": str(self.config.heartbeat_interval_s),

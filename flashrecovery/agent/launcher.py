@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from flashrecovery.agent.config import SPARE_REFILL, AgentConfig, Endpoint
+from flashrecovery.agent.config import SPARE_REFILL, START_METHODS, AgentConfig, Endpoint
 from flashrecovery.errors import ConfigError
 from flashrecovery.observe.exporter import add_metrics_port
 from flashrecovery.trainer_hooks.faults import FaultPlan
@@ -139,6 +139,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "replaced at once either way",
     )
     parser.add_argument(
+        "--start-method",
+        choices=START_METHODS,
+        default="forkserver",
+        help="forkserver (the default): every rank and spare is forked from one process per "
+        "node that has imported torch already, which starts them in a fraction of a second; "
+        "exec: a new interpreter for each, as `python script.py` (seconds of imports each)",
+    )
+    parser.add_argument(
         "--output-dir",
         type=Path,
         default=None,
@@ -239,6 +247,7 @@ def run(args: argparse.Namespace) -> int:
                 checkpoint_dir=args.checkpoint_dir,
                 checkpoint_every=args.checkpoint_every,
                 spare_refill=args.spare_refill,
+                start_method=args.start_method,
                 metrics_port=args.metrics_port,
                 nnodes=args.nnodes,
                 node_rank=(

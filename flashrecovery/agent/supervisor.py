@@ -1,8 +1,10 @@
 """The agent's process pool: ranks and hot spares, each in its own process group.
 
-A waiter thread per child blocks in ``Popen.wait()`` so an exit is reported the moment it
-happens (no polling). Children get their own session so a terminal's Ctrl-C reaches only the
-agent, which then tears every child down itself, grandchildren included (``killpg``).
+Each is forked from the node's fork server (agent/forkserver.py) when there is one, else
+started as a new interpreter. A waiter thread per child blocks until it exits so an exit is
+reported the moment it happens (no polling). Children get their own session so a terminal's
+Ctrl-C reaches only the agent, which then tears every child down itself, grandchildren included
+(``killpg``).
 """
 
 from __future__ import annotations
@@ -20,13 +22,15 @@ from pathlib import Path
 
 import psutil
 
+from flashrecovery.agent.forkserver import ForkedProcess, ForkServer, Task
+
 TERM_GRACE_S = 3.0  # SIGTERM, then SIGKILL what is still there
 UNRUNNABLE = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP, psutil.STATUS_ZOMBIE)
 
 
 @dataclass
 class Child:
-    popen: subprocess.Popen[bytes]
+    popen: subprocess.Popen[bytes] | ForkedProcess
     rank: int | None  # the rank it holds; None for a spare not (yet) assigned
     spare_id: int | None
     generation: int
@@ -60,8 +64,10 @@ class Supervisor:
         *,
         nproc_per_node: int,
         spare_ids: Callable[[], int],
+        forks: ForkServer | None = None,
     ) -> None:
         self._command = command
+        self._forks = forks
         self._env = dict(env)
         self._on_exit = on_exit  # called from the child's waiter thread, unless tearing down
         self._output_dir = output_dir
@@ -103,19 +109,16 @@ class Supervisor:
         if self._output_dir is not None:
             self._output_dir.mkdir(parents=True, exist_ok=True)
             name = f"rank{rank}" if spare_id is None else f"spare{spare_id}"
-            output = open(self._output_dir / f"{name}-{time.time_ns()}.log", "wb")  # noqa: SIM115
-        try:
-            popen = subprocess.Popen(
-                self._command,
-                env={**self._env, **extra},
-                stdout=output,
-                stderr=subprocess.STDOUT if output else None,
-                start_new_session=True,
-            )
-        finally:
-            if output is not None:
-                output.close()  # the child holds its own descriptor
-        child = Child(popen, rank=rank, spare_id=spare_id, generation=generation)
+            output = self._output_dir / f"{name}-{time.time_ns()}.log"
+        env = {**self._env, **extra}
+        process: subprocess.Popen[bytes] | ForkedProcess | None = None
+        if self._forks is not None:
+            task = Task(self._command, env, os.getcwd(), None if output is None else str(output))
+            with contextlib.suppress(OSError):  # the server is gone: a new interpreter then
+                process = self._forks.spawn(task)
+        if process is None:
+            process = _start(self._command, env, output)
+        child = Child(process, rank=rank, spare_id=spare_id, generation=generation)
         with self._lock:
             self._children.append(child)
         waiter = threading.Thread(target=self._wait, args=(child,), name=f"wait-{child.pid}")
@@ -192,6 +195,22 @@ class Supervisor:
                 child.popen.wait(TERM_GRACE_S)
             except subprocess.TimeoutExpired:
                 print(f"flashrecovery: process {child.pid} did not die", file=sys.stderr)
+
+
+def _start(command: list[str], env: dict[str, str], output: Path | None) -> subprocess.Popen[bytes]:
+    """A new interpreter for the child (``--start-method exec``, or no fork server)."""
+    out = None if output is None else open(output, "wb")  # noqa: SIM115
+    try:
+        return subprocess.Popen(
+            command,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+            start_new_session=True,
+        )
+    finally:
+        if out is not None:
+            out.close()  # the child holds its own descriptor
 
 
 def _signal_group(child: Child, sig: signal.Signals) -> None:

@@ -135,6 +135,7 @@ def run_job(
     metrics_port: int | None = None,
     shards: int = 1,
     checkpoint_every: int = 0,  # > 0: checkpoints in tmp_path/checkpoints
+    start_method: str = "forkserver",
 ) -> JobResult:
     """Run the training script on ``nproc`` ranks; ``kill_at`` maps rank -> the step after whose
     commit (as the log shows it) the rank's process is SIGKILLed from outside; ``scenario``
@@ -164,6 +165,7 @@ def run_job(
             shards=shards,
             checkpoint_dir=tmp_path / "checkpoints" if checkpoint_every else None,
             checkpoint_every=checkpoint_every,
+            start_method=start_method,
         )
     )
     result: dict[str, int] = {}

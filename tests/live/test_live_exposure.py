@@ -92,7 +92,11 @@ def test_a_job_listens_on_loopback_only_and_ignores_forged_keys(
     tmp_path: Path, reference: torch.Tensor
 ) -> None:
     intruder = Intruder()
-    job = run_job(tmp_path, spares=1, scenario=[intruder], step_time_s=STEP_TIME_S)
+    # New interpreters: their /proc/<pid>/environ is the environment they were started with
+    # (a forked rank's shows its command line there instead: agent/forkserver.py).
+    job = run_job(
+        tmp_path, spares=1, scenario=[intruder], step_time_s=STEP_TIME_S, start_method="exec"
+    )
 
     assert set(intruder.listening) == {"agent", *(f"rank:{r}" for r in range(WORLD))}
     assert ("127.0.0.1", intruder.store_port) in intruder.listening["agent"]
