@@ -30,6 +30,7 @@ Path(sys.argv[1]).write_text(json.dumps({
     "env": os.environ.get("ONLY_THIS_CHILD"), "sid": os.getsid(0), "pid": os.getpid(),
     "torch_loaded": "torch" in sys.modules,
     "cmdline": open("/proc/self/cmdline").read().replace(chr(0), " ").strip(),
+    "seeds": [__import__("torch").initial_seed(), __import__("random").random()],
 }))
 print("to stdout"); print("to stderr", file=sys.stderr)
 sys.exit(int(sys.argv[2]))
@@ -80,7 +81,17 @@ def test_a_child_runs_its_script_as_python_would(server: ForkServer, tmp_path: P
     assert seen["sid"] == seen["pid"] == child.pid  # a session of its own
     assert seen["torch_loaded"]  # imported before the fork, not by the script
     assert seen["cmdline"] == shlex.join(argv)  # what `ps` shows
-    assert output.read_text().splitlines() == ["to stdout", "to stderr"]
+
+    # Seeded afresh, as new interpreters would be: forked alike, they would draw alike.
+    again = tmp_path / "again.json"
+    other = server.spawn(
+        Task([argv[0], argv[1], str(again), "0"], env, str(tmp_path), str(tmp_path / "again.log"))
+    )
+    assert other.wait(60) == 0
+    seeds = json.loads(again.read_text())["seeds"]
+    assert all(a != b for a, b in zip(seeds, seen["seeds"], strict=True))
+    # (then, at exit, whatever the interpreter says: triton's leak report of what was frozen)
+    assert output.read_text().splitlines()[:2] == ["to stdout", "to stderr"]
 
 
 def test_exits_are_reported_as_subprocess_reports_them(server: ForkServer, tmp_path: Path) -> None:

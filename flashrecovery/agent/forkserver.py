@@ -43,9 +43,6 @@ from pathlib import Path
 from typing import Any
 
 import setproctitle
-import structlog
-
-log = structlog.get_logger("flashrecovery.agent")
 
 # What a rank imports before its script does anything (the hook's session imports torch).
 PRELOAD = (
@@ -56,6 +53,7 @@ PRELOAD = (
     "flashrecovery.trainer_hooks.session",
 )
 READY_TIMEOUT_S = 300.0  # the server's imports on a busy node
+SPAWN_TIMEOUT_S = 60.0  # a fork is milliseconds; a server this slow is given up on
 # Not ``-m``: the agent's package imports this module, and runpy would run a second copy.
 _MAIN = "import sys; from flashrecovery.agent.forkserver import main; sys.exit(main())"
 
@@ -104,7 +102,11 @@ def serve(sock: socket.socket) -> Task | None:
                         return None
                     for request in requests:
                         task = Task(**request["task"])
-                        pid = os.fork()
+                        try:
+                            pid = os.fork()
+                        except OSError as exc:  # out of memory or processes: say so, go on
+                            _send(sock, {"failed": request["id"], "error": str(exc)})
+                            continue
                         if pid == 0:
                             for fd in pidfds.values():
                                 os.close(fd)
@@ -140,13 +142,14 @@ def run_child(task: Task) -> int:
     import torch
 
     torch.seed()
+    if "numpy.random" in sys.modules:  # imported by torch: its global state, too
+        sys.modules["numpy.random"].seed()
     script = task.argv[1]
     sys.argv = task.argv[1:]
     # `ps`, `pgrep -f train.py` and /proc/<pid>/cmdline show the command it stands for (the
     # title takes the place of the server's environment block in /proc/<pid>/environ too).
     setproctitle.setproctitle(shlex.join(task.argv))
     sys.path[0] = str(Path(script).resolve().parent)
-    gc.unfreeze()  # the server froze its heap for sharing; the script's own settles anew
     runpy.run_path(script, run_name="__main__")
     return 0
 
@@ -211,7 +214,8 @@ class ForkServer:
         self._lock = threading.Lock()
         self._pending = bytearray()
         self._ids = 0
-        self._spawned: dict[int, int] = {}  # request id -> pid
+        self._spawned: dict[int, int | str] = {}  # request id -> pid, or why it failed
+        self._abandoned: set[int] = set()  # requests given up on: the process is not wanted
         self._children: dict[int, ForkedProcess] = {}
         self._changed = threading.Condition(self._lock)
         self._ready: bool | None = None  # None until the server says
@@ -232,10 +236,18 @@ class ForkServer:
             self._ids += 1
             request = self._ids
             _send(self._sock, {"id": request, "task": dataclasses.asdict(task)})
-            self._changed.wait_for(lambda: request in self._spawned or not self._ready)
-            if request not in self._spawned:
+            answered = self._changed.wait_for(
+                lambda: request in self._spawned or not self._ready, SPAWN_TIMEOUT_S
+            )
+            if not answered:  # should it come after all, it is killed (_take)
+                self._abandoned.add(request)
+                raise OSError(f"the fork server did not start the process in {SPAWN_TIMEOUT_S} s")
+            outcome = self._spawned.pop(request, None)
+            if isinstance(outcome, str):
+                raise OSError(f"the fork server could not fork: {outcome}")
+            if outcome is None:
                 raise OSError("the fork server ended before it started the process")
-            return self._children[self._spawned.pop(request)]
+            return self._children[outcome]
 
     def close(self) -> None:
         """End the server (its children go on); bounded."""
@@ -268,7 +280,13 @@ class ForkServer:
             elif "spawned" in message:
                 pid = int(message["pid"])
                 self._children[pid] = ForkedProcess(pid)
-                self._spawned[int(message["spawned"])] = pid
+                request = int(message["spawned"])
+                if request in self._abandoned:
+                    _kill(pid)
+                else:
+                    self._spawned[request] = pid
+            elif "failed" in message:
+                self._spawned[int(message["failed"])] = str(message["error"])
             else:
                 self._children.pop(int(message["exited"])).ended(int(message["code"]))
             self._changed.notify_all()
@@ -284,6 +302,13 @@ class ForkServer:
             children, self._children = list(self._children.values()), {}
             self._changed.notify_all()
         for child in children:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(child.pid, signal.SIGKILL)
+            _kill(child.pid)
             child.ended(-signal.SIGKILL)
+
+
+def _kill(pid: int) -> None:
+    """SIGKILL a child and its process group (which it may not have made yet, just forked)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
