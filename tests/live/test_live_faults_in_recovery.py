@@ -34,8 +34,9 @@ def test_replacement_killed_before_its_first_commit(
     tmp_path: Path, reference: torch.Tensor
 ) -> None:
     """The same planned fault twice: the spare that took rank 1 over dies where rank 1 did,
-    after it received the state and before its first commit; a fresh process takes over."""
-    job = run_job(tmp_path, spares=1, fault_plan=[FIRST, FIRST])
+    after it received the state and before its first commit; a fresh process takes over (the
+    pool is refilled only once the recovery is over: a refill forked in time would take it)."""
+    job = run_job(tmp_path, spares=1, fault_plan=[FIRST, FIRST], spare_refill="after-recovery")
     assert_lossless(job, reference, incidents=2)
     assert_survivors_kept(job, failed={1})
     [activated] = job.records(type="spare_activated")

@@ -62,11 +62,6 @@ def collapse(values: list[float | None]) -> list[float]:
     return out
 
 
-def is_subsequence(wanted: list[float], values: list[float]) -> bool:
-    rest = iter(values)
-    return all(any(v == w for v in rest) for w in wanted)
-
-
 def test_metrics_through_a_kill_and_recovery_and_from_the_finished_log(tmp_path: Path) -> None:
     port = free_port()
     # An early kill; the ranks then hold before step 10 until the refilled spare (spare 1:
@@ -95,7 +90,11 @@ def test_metrics_through_a_kill_and_recovery_and_from_the_finished_log(tmp_path:
     assert len(live) > 10, "the endpoint never answered"
 
     spares = collapse([value(s, "flashrecovery_spares_ready") for s in live])
-    assert is_subsequence([1, 0, 1], spares), spares  # ready, taken for rank 1, refilled
+    # Ready, taken for rank 1 and refilled: the refill is forked and ready within tens of ms
+    # (agent/forkserver.py), so a scrape may or may not fall between; the log says it all.
+    assert spares[:2] == [0, 1] and spares[-1] == 1, spares
+    assert len(job.records(type="spare_activated")) == 1
+    assert len(job.records(type="spare_ready")) == 2
     incidents = collapse(
         [value(s, "flashrecovery_incidents_total", cause="rank_exited") for s in live]
     )
