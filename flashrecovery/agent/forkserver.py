@@ -211,13 +211,12 @@ class ForkServer:
             stdin=subprocess.DEVNULL,
         )
         theirs.close()
-        self._lock = threading.Lock()
         self._pending = bytearray()
         self._ids = 0
         self._spawned: dict[int, int | str] = {}  # request id -> pid, or why it failed
         self._abandoned: set[int] = set()  # requests given up on: the process is not wanted
         self._children: dict[int, ForkedProcess] = {}
-        self._changed = threading.Condition(self._lock)
+        self._changed = threading.Condition()
         self._ready: bool | None = None  # None until the server says
         self.refusal = ""
         self._reader = threading.Thread(target=self._read, name="forkserver", daemon=True)

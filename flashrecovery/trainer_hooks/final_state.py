@@ -16,20 +16,18 @@ from pathlib import Path
 
 import torch
 
+from flashrecovery.trainer_hooks.dtensors import is_dtensor
+
 ENV = "FLASHRECOVERY_FINAL_STATE"
 
 
 def parameters_sha256(model: torch.nn.Module) -> str:
     """Digest of every parameter's name and bytes in definition order: equal digests mean
     bitwise-equal models."""
-    # Here, not at the top: the agent imports this module for ENV, and DTensor's import (with
-    # sympy) cost it most of a second of CPU at every start.
-    from torch.distributed.tensor import DTensor
-
     digest = hashlib.sha256()
     for name, param in model.named_parameters():
         # A sharded parameter (FSDP2) is gathered whole: a collective of every rank.
-        whole = param.full_tensor() if isinstance(param, DTensor) else param
+        whole = param.full_tensor() if is_dtensor(param) else param
         digest.update(name.encode())
         digest.update(whole.detach().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()
