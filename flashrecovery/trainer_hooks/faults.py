@@ -14,8 +14,8 @@ completes is the delicate case); ``finish`` SIGKILLs it in ``finish()`` once ``s
 SIGSTOPs the process so only the detectors can find it; ``stall`` blocks the training thread
 forever before the step's commit while the process (and its heartbeats) live on, so only the
 stall detector can find it. During a recovery, at the member's committed step: ``regroup``
-SIGKILLs a member as it starts to join a new generation (before its members barrier),
-``group_build`` once every member passed that barrier, while the group forms, and
+SIGKILLs a member as it starts to join a new generation, ``group_build`` as it starts to build
+the generation's group (its ring neighbours wait for it while theirs form), and
 ``donor_send`` kills a donor in the middle of sending its state (after the first message).
 ``checkpoint_load`` SIGKILLs a member as it starts loading the checkpoint a fallback names, at
 that checkpoint's step.

@@ -2,6 +2,17 @@
 agent's store, so a new generation never meets the keys of an old one. Every key of the job
 lives under its secret prefix (agent/store.py).
 
+A group connects lazily: building it only publishes this rank's address and waits for nobody;
+a pair of ranks connects on first use. Forming a generation connects the pairs every step uses
+(each rank's two ring neighbours: gloo's all-reduce is a ring), and a restore connects each
+donor with its recipients before the state moves, so a rank waits for the peers it talks to,
+never for the whole world, and forming costs the same at any world size.
+
+Every wait for a peer is bounded without leaving an operation behind: the wait for a peer to
+arrive is a supersedable store wait in Python, and gloo's own wait for a connection is bounded
+by its connect timeout (short), while collectives keep the long ``COLLECTIVE_TIMEOUT``. A
+group is only dropped once nothing of it is in flight, so dropping it never waits on a peer.
+
 Dropping a group must close its connections at once: a peer still blocked in a collective of
 the old generation then fails in milliseconds instead of waiting for the collective timeout.
 """
@@ -10,8 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol, cast
 
 import torch
@@ -21,6 +34,12 @@ import torch.distributed as dist
 # the heartbeat detector and SIGKILLed, which breaks its peers' collectives at once.
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 RENDEZVOUS_SLICE = datetime.timedelta(seconds=0.1)  # how soon a lost peer's supersession shows
+# How long gloo waits for a pair to connect once both ends are known to be there: a peer lost in
+# between is given up on after this long (about twice the default heartbeat timeout). gloo's tcp
+# pair waits five times the timeout it was built with for a first connection.
+CONNECT_TIMEOUT = datetime.timedelta(seconds=6)
+_FIRST_CONNECT_FACTOR = 5
+HANDSHAKE_TAG = 1 << 30  # the connecting handshake's messages (transfer.py's tags are small)
 
 
 class Group(Protocol):
@@ -71,14 +90,77 @@ class Rendezvous(dist.Store):
     def wait(self, keys: list[str], timeout: datetime.timedelta = COLLECTIVE_TIMEOUT) -> None:
         deadline = time.monotonic() + timeout.total_seconds()
         while True:
-            if self._superseded():
-                raise dist.DistStoreError(f"{self._what} was superseded while its group formed")
-            try:
+            try:  # a peer that arrived is never given up on (connect() relies on it)
                 self._inner.wait(keys, RENDEZVOUS_SLICE)
                 return
             except dist.DistStoreError:
+                if self._superseded():
+                    raise dist.DistStoreError(
+                        f"{self._what} was superseded while its group formed"
+                    ) from None
                 if time.monotonic() > deadline:
                     raise
+
+
+def lazy_gloo(store: dist.Store, rank: int, size: int) -> dist.ProcessGroupGloo:
+    """A gloo backend whose pairs connect on first use (its own lazily connecting device: a
+    lazy context shuts its device down with it). Its pairs keep the timeout it is built with
+    as their connect bound (``CONNECT_TIMEOUT`` in all); collectives then get
+    ``COLLECTIVE_TIMEOUT``. (Built with 60 s, a pair would wait 5 minutes for a lost peer, and
+    a collective in flight on it holds up the group's destructor as long.) Gloo
+    listens on the interface(s) GLOO_SOCKET_IFNAME names (loopback: agent/store.py), else on
+    the hostname's address. ``store`` must stay usable as long as the group: a pair reads its
+    peer's address there when it first connects."""
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in the stubs
+    options._timeout = CONNECT_TIMEOUT / _FIRST_CONNECT_FACTOR
+    interfaces = [i for i in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if i]
+    options._devices = [
+        dist.ProcessGroupGloo.create_device(interface=interface, lazy_init=True)
+        for interface in interfaces
+    ] or [dist.ProcessGroupGloo.create_default_device(lazy_init=True)]
+    group = dist.ProcessGroupGloo(store, rank, size, options)
+    group.set_timeout(COLLECTIVE_TIMEOUT)
+    return group
+
+
+def connect(group: Group, arrivals: Rendezvous, peers: Iterable[int]) -> None:
+    """Connect this rank's pairs with ``peers`` (members that call ``connect`` with this rank
+    among theirs), each in a thread of its own so that no chain of waits forms around the
+    ring: wait until the peer arrived (a newer plan gives up here, before anything is posted
+    to gloo), then exchange one element with it at once (the peer does the same as soon as it
+    sees this rank's arrival). Nothing is abandoned: every thread is joined, and each ends, at
+    the latest when a lost peer's pair gives up connecting (``CONNECT_TIMEOUT``) or a peer
+    that gave up drops its group (its sockets close)."""
+    errors: list[RuntimeError] = []
+
+    def exchange(peer: int) -> None:
+        try:
+            arrivals.wait([_arrived(peer)])
+            sent = group.send([torch.zeros(1)], peer, HANDSHAKE_TAG)
+            group.recv([torch.zeros(1)], peer, HANDSHAKE_TAG).wait()
+            sent.wait()
+        except RuntimeError as exc:  # gloo's and the store's; raised in the caller's thread
+            errors.append(exc)
+
+    threads = [
+        threading.Thread(target=exchange, args=(peer,), name="flashrecovery-connect")
+        for peer in sorted(set(peers))
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
+def _arrived(rank: int) -> str:
+    return f"arrived/{rank}"
+
+
+def ring_neighbours(rank: int, size: int) -> set[int]:
+    """The peers a ring all-reduce talks to."""
+    return {(rank - 1) % size, (rank + 1) % size} - {rank}
 
 
 def build(
@@ -87,14 +169,35 @@ def build(
     rank: int,
     world_size: int,
     superseded: Callable[[], bool],
+    pairs: dist.Store | None = None,
 ) -> Group:
-    """Rendezvous with every member of ``generation`` and return its gloo group. Call it once
-    the generation's member barrier has passed (barrier.py), so every peer is there; a peer
-    lost after that is given up on once ``superseded()`` says a newer generation is planned.
-    Gloo listens on the interface GLOO_SOCKET_IFNAME names (loopback: agent/store.py)."""
+    """Generation ``generation``'s gloo group under ``gen/{g}/``, connected to this rank's ring
+    neighbours; no other member is waited for. A neighbour that never arrives is given up on
+    once ``superseded()`` says a newer generation is planned. ``pairs`` is the store client
+    gloo reads peers' addresses through later, from its own threads (default ``store``)."""
+    prefixed = dist.PrefixStore(f"gen/{generation}/", store if pairs is None else pairs)
+    group = cast(Group, lazy_gloo(prefixed, rank, world_size))
+    arrivals = _arrivals(store, generation, superseded)
+    arrivals.set(_arrived(rank), "1")  # gloo published this rank's address: peers may connect
+    connect(group, arrivals, ring_neighbours(rank, world_size))
+    return group
+
+
+def connect_peers(
+    group: Group,
+    store: dist.Store,
+    generation: int,
+    peers: Iterable[int],
+    superseded: Callable[[], bool],
+) -> None:
+    """Connect ``group`` (of ``generation``) with ``peers`` beyond its ring neighbours, before
+    a transfer between them (each of ``peers`` connects with this rank at the same time)."""
+    connect(group, _arrivals(store, generation, superseded), peers)
+
+
+def _arrivals(store: dist.Store, generation: int, superseded: Callable[[], bool]) -> Rendezvous:
     prefixed = dist.PrefixStore(f"gen/{generation}/", store)
-    rendezvous = Rendezvous(prefixed, superseded, f"generation {generation}")
-    return cast(Group, dist.ProcessGroupGloo(rendezvous, rank, world_size, COLLECTIVE_TIMEOUT))
+    return Rendezvous(prefixed, superseded, f"generation {generation}")
 
 
 def drop(group: Group) -> None:

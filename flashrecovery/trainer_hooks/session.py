@@ -96,6 +96,8 @@ class Session:
         self._closer_store = groups.connect_store(
             env.master_addr, env.master_port, env.store_prefix
         )
+        # gloo reads a peer's address through it when a pair first connects (groups.py).
+        self._pairs_store = groups.connect_store(env.master_addr, env.master_port, env.store_prefix)
         self._host = socket.gethostname()
         self._pid = os.getpid()
         self._rank = env.rank
@@ -497,7 +499,9 @@ class Session:
             self._generation = generation
             try:
                 self._fault("regroup", self._committed_step)
-                if self._barrier(generation, "members"):
+                # No barrier of all members: forming waits for the ring neighbours only
+                # (groups.py), and the engine plans the resume once every member regrouped.
+                if not self._superseded():
                     self._fault("group_build", self._committed_step)
                     self._form(generation)
                     self._append(
@@ -540,19 +544,26 @@ class Session:
         assert self._group is not None
         shard = self._shard_of(self.rank)
         donors = plan.donors_of(shard)
+        # Every donor and recipient of a shard connect first (groups.py): a recipient waiting
+        # for a donor still busy with another recipient must not wait on an unconnected pair.
+        recipients = [r for r in plan.recipients if self._shard_of(r) == shard]
+        if self.rank in donors or self.rank in recipients:
+            peers = recipients if self.rank in donors else donors
+            groups.connect_peers(
+                self._group, self._store, self._generation, peers, self._superseded
+            )
         if self.rank in donors:
             stripe = transfer.Stripe(donors.index(self.rank), len(donors))
             own = self._own() if stripe.index == 0 else None
-            for recipient in plan.recipients:
-                if self._shard_of(recipient) == shard:
-                    transfer.send(
-                        self._group,
-                        recipient,
-                        self._replicated(),
-                        own,
-                        stripe,
-                        after_header=lambda: self._fault("donor_send", self._committed_step),
-                    )
+            for recipient in recipients:
+                transfer.send(
+                    self._group,
+                    recipient,
+                    self._replicated(),
+                    own,
+                    stripe,
+                    after_header=lambda: self._fault("donor_send", self._committed_step),
+                )
         elif self.rank in plan.recipients:
             started = time.perf_counter()
             # Its own tensors are overwritten in place: until restored it holds no step.
@@ -626,7 +637,12 @@ class Session:
     def _form(self, generation: int) -> None:
         """Build the generation's groups: the hook's own, then the user's stable ones."""
         self._group = groups.build(
-            self._store, generation, self.rank, self.world_size, self._superseded
+            self._store,
+            generation,
+            self.rank,
+            self.world_size,
+            self._superseded,
+            self._pairs_store,
         )
         # The user's groups form through the same rendezvous: a lost member is given up on too.
         forming = groups.Rendezvous(self._store, self._superseded, f"generation {generation}")

@@ -60,9 +60,9 @@ def test_second_rank_killed_during_regroup(tmp_path: Path, reference: torch.Tens
 def test_member_lost_while_the_group_forms_is_given_up_on_the_next_plan(
     tmp_path: Path, reference: torch.Tensor
 ) -> None:
-    """Rank 2 passes generation 1's barrier and dies before building the group: the members
-    waiting for it in the group's rendezvous keep beating, and give up as soon as the engine
-    plans generation 2 (not after the 60 s collective timeout)."""
+    """Rank 2 dies as it starts to build generation 1's group: its ring neighbours (with 3
+    ranks, everyone) waiting for it keep beating, and give up as soon as the engine plans
+    generation 2 (not after the 60 s collective timeout)."""
     job = run_job(tmp_path, spares=2, fault_plan=[FIRST, "2:group_build@7"])
     assert_lossless(job, reference, incidents=2)
     assert_survivors_kept(job, failed={1, 2})
