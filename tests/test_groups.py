@@ -94,7 +94,7 @@ def _lost_after_arrival(rank: int, port: int, out: str) -> None:
     neighbours 0 and 1 fail to connect within the connect timeout, other threads running."""
     store = _client(port)
     if rank == 2:
-        group = groups.lazy_gloo(dist.PrefixStore("gen/1/", store), rank, 3)
+        group = groups.LazyGloo(dist.PrefixStore("gen/1/", store), rank, 3)
         dist.PrefixStore("gen/1/", store).set("arrived/2", "1")
         store.wait(["watching/0", "watching/1"])
         os.kill(os.getpid(), signal.SIGKILL)
@@ -184,3 +184,58 @@ def test_dropping_a_group_whose_peer_died_waits_for_nobody(tmp_path: Path) -> No
         # Not the connect timeout, nor a peer's: the drop waits for nothing.
         assert result["drop_seconds"] < SHORT_CONNECT.total_seconds()
         assert result["gap"] < HEARTBEAT_S
+
+
+def _abandoned_receive(rank: int, port: int, out: str) -> None:
+    """Rank 1 posts a receive and lets its buffer go (as a collective that failed on another
+    pair does); rank 0's message then arrives for a buffer that no longer exists, which gloo
+    leaves unread: the pair's socket stays ready. Dropping the group must still be quick."""
+    store = _client(port)
+    group = groups.LazyGloo(dist.PrefixStore("gen/1/", store), rank, 2)
+    group.allreduce([torch.ones(4)]).wait()  # connects the pair
+    if rank == 0:
+        store.wait(["posted"])
+        sent = group.send([torch.ones(1 << 20)], 1, 5)
+        store.set("sent", "1")
+        store.wait(["dropped"])
+        del sent
+        return
+    posted = group.recv([torch.zeros(1 << 20)], 0, 5)
+    del posted  # its buffer is gone while the receive is still posted
+    store.set("posted", "1")
+    store.wait(["sent"])
+    # The message has arrived once the pair's socket holds unread bytes.
+    deadline = time.monotonic() + TIMEOUT.total_seconds()
+    while _unread_bytes() == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    started = time.monotonic()
+    del group
+    Path(out, "drop_seconds").write_text(str(time.monotonic() - started))
+    store.set("dropped", "1")
+
+
+def _unread_bytes() -> int:
+    """Bytes waiting in this process's TCP receive queues (the kernel's /proc/net/tcp)."""
+    sockets = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            sockets.add(link[len("socket:[") : -1])
+    unread = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[9] in sockets:
+                unread += int(fields[4].split(":")[1], 16)
+    return unread
+
+
+def test_dropping_a_group_with_a_message_left_unread_is_quick(tmp_path: Path) -> None:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    assert _join(_spawn(_abandoned_receive, (store.port, str(tmp_path)), 2)) == [0, 0]
+    # Without taking its sockets out of gloo's loop first, the drop never returns (the join
+    # above would time out and kill rank 1).
+    assert float((tmp_path / "drop_seconds").read_text()) < SHORT_CONNECT.total_seconds()

@@ -30,6 +30,8 @@ from typing import Protocol, cast
 import torch
 import torch.distributed as dist
 
+from flashrecovery.trainer_hooks import gloo_loop
+
 # Bounds every collective and the rendezvous of a new group; a hung peer is found earlier by
 # the heartbeat detector and SIGKILLed, which breaks its peers' collectives at once.
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
@@ -102,25 +104,48 @@ class Rendezvous(dist.Store):
                     raise
 
 
-def lazy_gloo(store: dist.Store, rank: int, size: int) -> dist.ProcessGroupGloo:
-    """A gloo backend whose pairs connect on first use (its own lazily connecting device: a
-    lazy context shuts its device down with it). Its pairs keep the timeout it is built with
-    as their connect bound (``CONNECT_TIMEOUT`` in all); collectives then get
-    ``COLLECTIVE_TIMEOUT``. (Built with 60 s, a pair would wait 5 minutes for a lost peer, and
-    a collective in flight on it holds up the group's destructor as long.) Gloo
-    listens on the interface(s) GLOO_SOCKET_IFNAME names (loopback: agent/store.py), else on
-    the hostname's address. ``store`` must stay usable as long as the group: a pair reads its
-    peer's address there when it first connects."""
-    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in the stubs
-    options._timeout = CONNECT_TIMEOUT / _FIRST_CONNECT_FACTOR
-    interfaces = [i for i in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if i]
-    options._devices = [
-        dist.ProcessGroupGloo.create_device(interface=interface, lazy_init=True)
-        for interface in interfaces
-    ] or [dist.ProcessGroupGloo.create_default_device(lazy_init=True)]
-    group = dist.ProcessGroupGloo(store, rank, size, options)
-    group.set_timeout(COLLECTIVE_TIMEOUT)
-    return group
+class LazyGloo:
+    """A gloo group whose pairs connect on first use (its own lazily connecting device), and
+    that lets go of that device without hanging on its event loop (gloo_loop.py): drop the
+    last reference only once nothing of it is in flight (inflight.py keeps a group whose work
+    was left behind until the work ends). Its pairs keep the timeout it is built with as their
+    connect bound (``CONNECT_TIMEOUT`` in all); collectives then get ``COLLECTIVE_TIMEOUT``.
+    (Built with 60 s, a pair would wait 5 minutes for a lost peer.) Gloo listens on the
+    interface(s) GLOO_SOCKET_IFNAME names (loopback: agent/store.py), else on the hostname's
+    address. ``store`` must stay usable as long as the group: a pair reads its peer's address
+    there when it first connects."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int) -> None:
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not stubbed
+        options._timeout = CONNECT_TIMEOUT / _FIRST_CONNECT_FACTOR
+        interfaces = [i for i in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if i]
+        options._devices, self._polls = gloo_loop.created_with_polls(
+            lambda: (
+                [
+                    dist.ProcessGroupGloo.create_device(interface=interface, lazy_init=True)
+                    for interface in interfaces
+                ]
+                or [dist.ProcessGroupGloo.create_default_device(lazy_init=True)]
+            )
+        )
+        backend = dist.ProcessGroupGloo(store, rank, size, options)
+        backend.set_timeout(COLLECTIVE_TIMEOUT)
+        self._backend = cast(Group, backend)  # torch's stubs omit send and recv
+
+    def allreduce(self, tensors: Sequence[torch.Tensor]) -> dist.Work:
+        return self._backend.allreduce(tensors)
+
+    def send(self, tensors: Sequence[torch.Tensor], dst: int, tag: int) -> dist.Work:
+        return self._backend.send(tensors, dst, tag)
+
+    def recv(self, tensors: Sequence[torch.Tensor], src: int, tag: int) -> dist.Work:
+        return self._backend.recv(tensors, src, tag)
+
+    def shutdown(self) -> None:
+        self._backend.shutdown()
+
+    def __del__(self) -> None:
+        gloo_loop.quiesce(self._polls)
 
 
 def connect(group: Group, arrivals: Rendezvous, peers: Iterable[int]) -> None:
@@ -176,7 +201,7 @@ def build(
     once ``superseded()`` says a newer generation is planned. ``pairs`` is the store client
     gloo reads peers' addresses through later, from its own threads (default ``store``)."""
     prefixed = dist.PrefixStore(f"gen/{generation}/", store if pairs is None else pairs)
-    group = cast(Group, lazy_gloo(prefixed, rank, world_size))
+    group = LazyGloo(prefixed, rank, world_size)
     arrivals = _arrivals(store, generation, superseded)
     arrivals.set(_arrived(rank), "1")  # gloo published this rank's address: peers may connect
     connect(group, arrivals, ring_neighbours(rank, world_size))
