@@ -128,9 +128,9 @@ class LazyGloo:
                 or [dist.ProcessGroupGloo.create_default_device(lazy_init=True)]
             )
         )
-        backend = dist.ProcessGroupGloo(store, rank, size, options)
-        backend.set_timeout(COLLECTIVE_TIMEOUT)
-        self._backend = cast(Group, backend)  # torch's stubs omit send and recv
+        self.backend = dist.ProcessGroupGloo(store, rank, size, options)
+        self.backend.set_timeout(COLLECTIVE_TIMEOUT)
+        self._backend = cast(Group, self.backend)  # torch's stubs omit send and recv
 
     def allreduce(self, tensors: Sequence[torch.Tensor]) -> dist.Work:
         return self._backend.allreduce(tensors)

@@ -644,9 +644,9 @@ class Session:
             self._superseded,
             self._pairs_store,
         )
-        # The user's groups form through the same rendezvous: a lost member is given up on too.
-        forming = groups.Rendezvous(self._store, self._superseded, f"generation {generation}")
-        self._stable.attach(forming, generation)
+        # The user's groups connect lazily too: building them waits for nobody, and their
+        # pairs connect on the first collective, once the engine saw every member regroup.
+        self._stable.attach(self._pairs_store, generation)
 
     def _drop_group(self) -> None:
         self._stable.detach()

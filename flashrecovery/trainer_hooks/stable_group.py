@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from flashrecovery.errors import Superseded
-from flashrecovery.trainer_hooks import inflight
+from flashrecovery.trainer_hooks import groups, inflight
 from flashrecovery.trainer_hooks.groups import COLLECTIVE_TIMEOUT
 
 BACKEND = "flashrecovery"
@@ -110,7 +110,7 @@ class _GuardedWork(dist.Work):
     def __init__(
         self,
         work: dist.Work,
-        group: dist.ProcessGroup,
+        group: object,
         result: list[Any],
         fail: Callable[[str], None],
         superseded: Callable[[], bool],
@@ -147,23 +147,27 @@ class _GuardedWork(dist.Work):
         return inflight.future(self._work, self._group, self._superseded).then(settle)
 
 
-def _generation_group(
-    store: dist.Store, generation: int, name: str, rank: int, size: int, device: str
-) -> dist.ProcessGroup:
-    """Rendezvous with the group's members in ``generation`` under ``gen/{g}/pg/{name}/``: a
-    torch ProcessGroup (every collective of its API) over gloo, plus NCCL for CUDA tensors."""
-    prefixed = dist.PrefixStore(f"gen/{generation}/pg/{name}/", store)
-    group = dist.ProcessGroup(prefixed, rank, size)
-    gloo = dist.ProcessGroupGloo(prefixed, rank, size, COLLECTIVE_TIMEOUT)
-    group._register_backend(torch.device("cpu"), GLOO, gloo)
-    group._set_default_backend(GLOO)
-    if device == "cuda":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = COLLECTIVE_TIMEOUT
-        nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", prefixed), rank, size, options)
-        group._register_backend(torch.device("cuda"), NCCL, nccl)
-        group._set_default_backend(NCCL)
-    return group
+class _Generation:
+    """One generation's backend of a stable group, under ``gen/{g}/pg/{name}/``: a torch
+    ProcessGroup (every collective of its API) over a lazily connecting gloo group (its pairs
+    connect on the first collective that uses them, so building it waits for nobody), plus NCCL
+    for CUDA tensors. Whatever keeps the generation alive holds this object, so the gloo group
+    is let go of cleanly only once nothing does (groups.LazyGloo)."""
+
+    def __init__(
+        self, store: dist.Store, generation: int, name: str, rank: int, size: int, device: str
+    ) -> None:
+        prefixed = dist.PrefixStore(f"gen/{generation}/pg/{name}/", store)
+        self.group = dist.ProcessGroup(prefixed, rank, size)
+        self._gloo = groups.LazyGloo(prefixed, rank, size)
+        self.group._register_backend(torch.device("cpu"), GLOO, self._gloo.backend)
+        self.group._set_default_backend(GLOO)
+        if device == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = COLLECTIVE_TIMEOUT
+            nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", prefixed), rank, size, options)
+            self.group._register_backend(torch.device("cuda"), NCCL, nccl)
+            self.group._set_default_backend(NCCL)
 
 
 class StableGroup(dist.ProcessGroup):
@@ -183,7 +187,7 @@ class StableGroup(dist.ProcessGroup):
         self._name, self._desc, self._device = name, name, device
         self._superseded = superseded
         self._lock = threading.Lock()
-        self._inner: dist.ProcessGroup | None = None
+        self._inner: _Generation | None = None
         # The first failure's message: never the exception, whose traceback would keep a
         # gloo work, and with it the generation's connections, alive.
         self._error: str | None = None
@@ -193,9 +197,7 @@ class StableGroup(dist.ProcessGroup):
     def attach(self, store: dist.Store, generation: int) -> None:
         """Build this group's backend for ``generation`` (every member must call it)."""
         self.detach()
-        inner = _generation_group(
-            store, generation, self._name, self.rank(), self.size(), self._device
-        )
+        inner = _Generation(store, generation, self._name, self.rank(), self.size(), self._device)
         with self._lock:
             self._inner, self._error = inner, None
 
@@ -218,7 +220,7 @@ class StableGroup(dist.ProcessGroup):
             # NCCL would wait for its timeout: abort the communicators (callable from any
             # thread). Gloo needs nothing: a dead peer's closed sockets fail its operations.
             with contextlib.suppress(RuntimeError):
-                inner.abort()
+                inner.group.abort()
 
     @property
     def error(self) -> str | None:
@@ -234,7 +236,7 @@ class StableGroup(dist.ProcessGroup):
         if inner is None:
             return _DoneWork(_local_outputs(op, args, self.size()))
         try:
-            work = getattr(inner, op)(*args, **options)
+            work = getattr(inner.group, op)(*args, **options)
         except RuntimeError as exc:
             self.fail(str(exc))
             return _DoneWork(_local_outputs(op, args, self.size()))
