@@ -19,10 +19,10 @@ the old generation then fails in milliseconds instead of waiting for the collect
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
 import os
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol, cast
@@ -91,33 +91,47 @@ class Rendezvous(dist.Store):
 
     def wait(self, keys: list[str], timeout: datetime.timedelta = COLLECTIVE_TIMEOUT) -> None:
         deadline = time.monotonic() + timeout.total_seconds()
-        while True:
-            try:  # a peer that arrived is never given up on (connect() relies on it)
-                self._inner.wait(keys, RENDEZVOUS_SLICE)
-                return
-            except dist.DistStoreError:
-                if self._superseded():
-                    raise dist.DistStoreError(
-                        f"{self._what} was superseded while its group formed"
-                    ) from None
-                if time.monotonic() > deadline:
-                    raise
+        while not self.within_slice(keys):
+            if time.monotonic() > deadline:
+                raise dist.DistStoreError(f"{self._what}: {keys} not set within {timeout}")
+
+    def within_slice(self, keys: list[str]) -> bool:
+        """Whether ``keys`` are set within one short wait; raises once a newer generation is
+        planned (a peer that arrived is never given up on: connect() relies on it)."""
+        try:
+            self._inner.wait(keys, RENDEZVOUS_SLICE)
+            return True
+        except dist.DistStoreError:
+            if self._superseded():
+                raise dist.DistStoreError(
+                    f"{self._what} was superseded while its group formed"
+                ) from None
+            return False
 
 
 class LazyGloo:
     """A gloo group whose pairs connect on first use (its own lazily connecting device), and
     that lets go of that device without hanging on its event loop (gloo_loop.py): drop the
     last reference only once nothing of it is in flight (inflight.py keeps a group whose work
-    was left behind until the work ends). Its pairs keep the timeout it is built with as their
-    connect bound (``CONNECT_TIMEOUT`` in all); collectives then get ``COLLECTIVE_TIMEOUT``.
-    (Built with 60 s, a pair would wait 5 minutes for a lost peer.) Gloo listens on the
-    interface(s) GLOO_SOCKET_IFNAME names (loopback: agent/store.py), else on the hostname's
-    address. ``store`` must stay usable as long as the group: a pair reads its peer's address
-    there when it first connects."""
+    was left behind until the work ends). A pair's first connect is bounded by
+    ``connect_timeout`` (default ``CONNECT_TIMEOUT``), collectives by ``COLLECTIVE_TIMEOUT``.
+    A pair whose connect completes after its wait gave up ends the process (an assertion in
+    gloo's event loop), so a short bound is only for pairs both ends use at once (connect());
+    pairs that connect on a user's collective, whose peer may still be restoring its state,
+    get the collective's. Gloo listens on the interface(s) GLOO_SOCKET_IFNAME names
+    (loopback: agent/store.py), else on the hostname's address. ``store`` must stay usable as
+    long as the group: a pair reads its peer's address there when it first connects."""
 
-    def __init__(self, store: dist.Store, rank: int, size: int) -> None:
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        size: int,
+        connect_timeout: datetime.timedelta | None = None,
+    ) -> None:
         options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not stubbed
-        options._timeout = CONNECT_TIMEOUT / _FIRST_CONNECT_FACTOR
+        # gloo waits five times the timeout it is built with for a pair's first connect.
+        options._timeout = (connect_timeout or CONNECT_TIMEOUT) / _FIRST_CONNECT_FACTOR
         interfaces = [i for i in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if i]
         options._devices, self._polls = gloo_loop.created_with_polls(
             lambda: (
@@ -150,31 +164,35 @@ class LazyGloo:
 
 def connect(group: Group, arrivals: Rendezvous, peers: Iterable[int]) -> None:
     """Connect this rank's pairs with ``peers`` (members that call ``connect`` with this rank
-    among theirs), each in a thread of its own so that no chain of waits forms around the
-    ring: wait until the peer arrived (a newer plan gives up here, before anything is posted
-    to gloo), then exchange one element with it at once (the peer does the same as soon as it
-    sees this rank's arrival). Nothing is abandoned: every thread is joined, and each ends, at
-    the latest when a lost peer's pair gives up connecting (``CONNECT_TIMEOUT``) or a peer
-    that gave up drops its group (its sockets close)."""
+    among theirs): exchange one element with each as soon as it has arrived (it does the same
+    as soon as it sees this rank's arrival). The arrivals are looked at in turn, one short wait
+    each, in this thread alone: a peer that never comes holds up no other, and no waiter of this
+    process keeps another from the store client (a lock that a looping waiter can take again
+    and again). A newer plan gives up on a peer before anything is posted to gloo for it.
+    Nothing is abandoned: every exchange started is waited for, and each ends at the latest
+    when a lost peer's pair gives up connecting (``CONNECT_TIMEOUT``) or a peer that gave up
+    drops its group (its sockets close)."""
+    waiting = collections.deque(sorted(set(peers)))
+    started: list[tuple[dist.Work, dist.Work]] = []
     errors: list[RuntimeError] = []
-
-    def exchange(peer: int) -> None:
-        try:
-            arrivals.wait([_arrived(peer)])
-            sent = group.send([torch.zeros(1)], peer, HANDSHAKE_TAG)
-            group.recv([torch.zeros(1)], peer, HANDSHAKE_TAG).wait()
-            sent.wait()
-        except RuntimeError as exc:  # gloo's and the store's; raised in the caller's thread
-            errors.append(exc)
-
-    threads = [
-        threading.Thread(target=exchange, args=(peer,), name="flashrecovery-connect")
-        for peer in sorted(set(peers))
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    deadline = time.monotonic() + COLLECTIVE_TIMEOUT.total_seconds()
+    try:
+        while waiting:
+            peer = waiting.popleft()
+            if arrivals.within_slice([_arrived(peer)]):
+                sent = group.send([torch.zeros(1)], peer, HANDSHAKE_TAG)
+                started.append((sent, group.recv([torch.zeros(1)], peer, HANDSHAKE_TAG)))
+            elif time.monotonic() > deadline:
+                raise dist.DistStoreError(f"rank {peer} did not arrive in {COLLECTIVE_TIMEOUT}")
+            else:
+                waiting.append(peer)
+    finally:
+        for works in started:
+            for work in reversed(works):
+                try:
+                    work.wait()
+                except RuntimeError as exc:  # gloo's: the peer was lost or gave up
+                    errors.append(exc)
     if errors:
         raise errors[0]
 

@@ -150,7 +150,8 @@ class _GuardedWork(dist.Work):
 class _Generation:
     """One generation's backend of a stable group, under ``gen/{g}/pg/{name}/``: a torch
     ProcessGroup (every collective of its API) over a lazily connecting gloo group (its pairs
-    connect on the first collective that uses them, so building it waits for nobody), plus NCCL
+    connect on the first collective that uses them, so building it waits for nobody; a first
+    connect may wait as long as a collective), plus NCCL
     for CUDA tensors. Whatever keeps the generation alive holds this object, so the gloo group
     is let go of cleanly only once nothing does (groups.LazyGloo)."""
 
@@ -159,7 +160,7 @@ class _Generation:
     ) -> None:
         prefixed = dist.PrefixStore(f"gen/{generation}/pg/{name}/", store)
         self.group = dist.ProcessGroup(prefixed, rank, size)
-        self._gloo = groups.LazyGloo(prefixed, rank, size)
+        self._gloo = groups.LazyGloo(prefixed, rank, size, COLLECTIVE_TIMEOUT)
         self.group._register_backend(torch.device("cpu"), GLOO, self._gloo.backend)
         self.group._set_default_backend(GLOO)
         if device == "cuda":
