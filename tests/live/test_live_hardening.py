@@ -134,7 +134,8 @@ def test_a_spare_stopped_just_before_it_is_needed_is_not_handed_the_rank(
     gate, args = gated(tmp_path)
 
     def stop_spare_and_kill_rank(record: Envelope, known: Processes) -> bool:
-        if 0 in known.spares:  # any record once spare 0 is ready (the ranks may be held)
+        # Any record once spare 0 is ready and rank 1 has joined (the ranks may be held).
+        if 0 in known.spares and 1 in known.ranks:
             os.kill(known.spares[0], signal.SIGSTOP)
             os.kill(known.ranks[1], signal.SIGKILL)
             gate.touch()
