@@ -191,8 +191,7 @@ def _abandoned_receive(rank: int, port: int, out: str) -> None:
     pair does); rank 0's message then arrives for a buffer that no longer exists, which gloo
     leaves unread: the pair's socket stays ready. Dropping the group must still be quick."""
     store = _client(port)
-    group = groups.LazyGloo(dist.PrefixStore("gen/1/", store), rank, 2)
-    group.allreduce([torch.ones(4)]).wait()  # connects the pair
+    group = groups.build(store, 1, rank, 2, lambda: False)  # connects the pair
     if rank == 0:
         store.wait(["posted"])
         sent = group.send([torch.ones(1 << 20)], 1, 5)
