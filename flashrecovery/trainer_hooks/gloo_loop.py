@@ -84,20 +84,15 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _EPOLL_CTL_MOD = 3
 
 
-def quiesce(polls: list[int]) -> int:
+def quiesce(polls: list[int]) -> None:
     """Silence every socket of the epoll sets ``polls`` (a device's loops, still open: the
     caller holds the device). Nothing may be in flight on the device: its operations would
     never hear from their sockets again. Each entry keeps gloo's handler pointer (Python's own
-    ``epoll.modify`` would put the descriptor there, which gloo would call as a handler).
-    Returns how many sockets were silenced."""
-    silenced = 0
+    ``epoll.modify`` would put the descriptor there, which gloo would call as a handler)."""
     for poll in polls:
         for fd, handler in _watched(poll):
-            if not _is_socket(fd):
-                continue
-            event = _EpollEvent(select.EPOLLET, handler)
-            # A descriptor closed meanwhile, or reused for a socket this set does not watch, is
-            # refused by the kernel: nothing else is touched.
-            if _libc.epoll_ctl(poll, _EPOLL_CTL_MOD, fd, ctypes.byref(event)) == 0:
-                silenced += 1
-    return silenced
+            if _is_socket(fd):
+                # A descriptor closed meanwhile, or reused for a socket this set does not
+                # watch, is refused by the kernel: nothing else is touched.
+                event = _EpollEvent(select.EPOLLET, handler)
+                _libc.epoll_ctl(poll, _EPOLL_CTL_MOD, fd, ctypes.byref(event))

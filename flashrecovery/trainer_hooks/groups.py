@@ -130,7 +130,6 @@ class LazyGloo:
         connect_timeout: datetime.timedelta | None = None,
     ) -> None:
         options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not stubbed
-        # gloo waits five times the timeout it is built with for a pair's first connect.
         options._timeout = (connect_timeout or CONNECT_TIMEOUT) / _FIRST_CONNECT_FACTOR
         interfaces = [i for i in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if i]
         options._devices, self._polls = gloo_loop.created_with_polls(
