@@ -169,3 +169,23 @@ def test_engine_service_serves_metrics_with_its_log_lag(tmp_path: Path) -> None:
         assert engine.wait(START_S) == 0
     assert value(got, "flashrecovery_log_lag_records") is not None
     assert value(got, "flashrecovery_ranks", state="pending") is not None
+
+
+def test_engine_service_stopped_as_soon_as_it_announces_itself_exits_cleanly(
+    tmp_path: Path,
+) -> None:
+    """A supervisor may stop the engine the moment it reads its first line: the engine must
+    already handle SIGTERM then (it once installed its handler after starting its metrics
+    server, so an early stop killed it with -15)."""
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    with open_log(url) as log:
+        for record in SimulatedWorld(JOB, world_size=2, spares=0).start():
+            log.append(Stream.EVENTS, record)
+    command = [sys.executable, "-m", "flashrecovery.cli", "engine", "--log", url, "--job", JOB]
+    engine = subprocess.Popen([*command, "--metrics-port", "0"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert engine.stdout is not None
+        assert engine.stdout.readline().startswith("engine ")
+    finally:
+        engine.terminate()
+        assert engine.wait(START_S) == 0

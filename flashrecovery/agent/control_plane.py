@@ -53,11 +53,13 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"flashrecovery control-plane: error: {exc}", file=sys.stderr)
         return 2
-    print(
-        f"flashrecovery: control plane on {endpoint}, log {args.log}", file=sys.stderr, flush=True
-    )
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # before the line that announces it
     try:
+        print(
+            f"flashrecovery: control plane on {endpoint}, log {args.log}",
+            file=sys.stderr,
+            flush=True,
+        )
         while not store.keys.check([rendezvous.JOB_KEY]):  # a signal can end this wait
             time.sleep(JOB_POLL_S)
         job_id = store.keys.get(rendezvous.JOB_KEY).decode()  # node 0's agent started it

@@ -41,6 +41,8 @@ def run(args: argparse.Namespace) -> int:
     loop = EngineLoop(
         log, args.job, poll_s=args.poll, lease_ttl_s=args.lease_ttl, engine_id=args.engine_id
     )
+    # Before the first line out: whoever reads that line may stop the engine at once.
+    signal.signal(signal.SIGTERM, lambda *_: loop.stop(timeout=0))
     print(f"engine {loop.engine_id} serving job {args.job} on {args.log}", flush=True)
     metrics = None
     if args.metrics_port is not None:
@@ -53,7 +55,6 @@ def run(args: argparse.Namespace) -> int:
             log.close()
             return 2
         print(f"metrics on {metrics.url}", flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: loop.stop(timeout=0))
     try:
         loop.run()
     except KeyboardInterrupt:

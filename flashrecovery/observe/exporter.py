@@ -179,9 +179,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     # Say so only once the log as it stands is folded: a first scrape then sees the whole job.
     server.wait_caught_up(CATCH_UP_S)
-    print(f"serving metrics of job {args.job} on {server.url}", flush=True)
     stopped = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stopped.set())
+    signal.signal(signal.SIGTERM, lambda *_: stopped.set())  # before the line that says it serves
+    print(f"serving metrics of job {args.job} on {server.url}", flush=True)
     try:
         stopped.wait()
     except KeyboardInterrupt:
