@@ -16,7 +16,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, BarrierOptions
 
+from flashrecovery.errors import LaunchError
 from flashrecovery.trainer_hooks import ddp, stable_group
+from flashrecovery.trainer_hooks.env import GROUP_REBUILD, LaunchEnv
 from flashrecovery.trainer_hooks.position import DataPosition
 
 TIMEOUT = datetime.timedelta(seconds=30)
@@ -90,6 +92,82 @@ def test_a_dead_peer_in_ddp_backward_is_recorded_not_raised(tmp_path: Path, devi
     victim.join(5)
     assert (survivor.exitcode, victim.exitcode) == (0, -signal.SIGKILL)
     assert out.read_text()  # the backend's own words for the lost peer
+
+
+def _reconfigured_rank(rank: int, port: int, out: str, replacement: bool, device: str) -> None:
+    """Rank 1 dies after a step of generation 0; its replacement (a new process) joins
+    generation 1 through the survivor's reconfigured backend, and DDP, wrapped once, sums the
+    two ranks' gradients again."""
+    torch.set_num_threads(1)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
+    stable = stable_group.StableGroups(device, rebuild="reconfigure")
+    stable_group.init_process_group(
+        stable, dist.PrefixStore(f"torch{int(replacement)}", store), rank, 2
+    )
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1, bias=False).to(device))
+    ones = torch.ones(2, 4, device=device)
+    if not replacement:
+        stable.attach(store, 0)
+        model(ones).sum().backward()  # a step of both ranks
+        assert stable.error() is None
+        store.set(f"stepped/{rank}", "1")
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        store.wait(["stepped/1"])
+        while stable.error() is None:  # the peer's death surfaces in a step's all-reduce
+            model(ones).sum().backward()
+        stable.detach()
+    model.zero_grad()
+    stable.attach(store, 1)  # the survivor and the replacement alike
+    model(ones * (rank + 1)).sum().backward()
+    assert stable.error() is None, stable.error()
+    Path(out, f"grad-{rank}").write_text(str(model.module.weight.grad.tolist()))
+    os._exit(0)
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(
+                torch.cuda.device_count() < 2,
+                reason="NCCL's reconfigure (shrink and grow) needs 2 CUDA devices",
+            ),
+        ),
+    ],
+)
+def test_a_reconfigured_group_takes_a_replacement_under_a_wrapped_model(
+    tmp_path: Path, device: str
+) -> None:
+    """``--group-rebuild reconfigure`` (torch's fault-tolerance API; on NCCL a shrink and a
+    grow), run on gloo, which offers the same API."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    members = mp.start_processes(
+        _reconfigured_rank,
+        args=(store.port, str(tmp_path), False, device),
+        nprocs=2,
+        join=False,
+        start_method="spawn",
+    )
+    survivor, victim = members.processes
+    victim.join(60)
+    assert victim.exitcode == -signal.SIGKILL
+    replacement = mp.get_context("spawn").Process(
+        target=_reconfigured_rank, args=(1, store.port, str(tmp_path), True, device)
+    )
+    replacement.start()
+    survivor.join(60)
+    replacement.join(60)
+    assert (survivor.exitcode, replacement.exitcode) == (0, 0)
+    # Rank r's batch is two rows of r + 1: its gradient 2 (r + 1) per weight; DDP averages the
+    # two ranks' (2 and 4) to 3 on both. Without the replacement's share it would stay 2 or 4.
+    grads = {(tmp_path / f"grad-{rank}").read_text() for rank in (0, 1)}
+    assert grads == {str([[3.0, 3.0, 3.0, 3.0]])}
 
 
 def _stuck_peer_rank(rank: int, port: int, out: str, where: str) -> None:
@@ -184,3 +262,23 @@ def test_data_position_round_trips() -> None:
     assert other == position
     other.next_epoch()
     assert (other.epoch, other.batch) == (3, 0)
+
+
+def test_the_group_rebuild_comes_from_the_launch_and_a_bad_one_is_refused() -> None:
+    launch = {
+        "FLASHRECOVERY_ROLE": "rank",
+        "FLASHRECOVERY_JOB_ID": "j",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "1",
+        "FLASHRECOVERY_STORE_PREFIX": "secret",
+        "WORLD_SIZE": "2",
+        "FLASHRECOVERY_HEARTBEAT_INTERVAL": "1",
+        "RANK": "0",
+        "FLASHRECOVERY_AGENT_SOCKET": "/tmp/s",
+        "FLASHRECOVERY_AGENT_LINK": "/tmp/l",
+    }
+    assert LaunchEnv.from_environ(launch).group_rebuild == "fresh"
+    chosen = LaunchEnv.from_environ({**launch, GROUP_REBUILD: "reconfigure"})
+    assert chosen.group_rebuild == "reconfigure"
+    with pytest.raises(LaunchError, match="FLASHRECOVERY_GROUP_REBUILD='rebuild'"):
+        LaunchEnv.from_environ({**launch, GROUP_REBUILD: "rebuild"})

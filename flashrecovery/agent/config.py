@@ -84,6 +84,7 @@ class AgentConfig:
     shards: int = 1  # model shards: rank r holds shard r % shards (a mesh's last dimension)
     checkpoint_dir: Path | None = None  # ranks save sharded checkpoints here (async, DCP)
     checkpoint_every: int = 0  # after every this many committed steps
+    group_rebuild: str = "fresh"  # or "reconfigure" (trainer_hooks/stable_group.py)
     # Nodes (docs/multinode.md): one agent per node; node 0's hosts the store and the engine.
     nnodes: int = 1
     node_rank: int | None = 0  # None: assigned at rendezvous ("auto")

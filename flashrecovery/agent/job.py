@@ -46,7 +46,7 @@ from flashrecovery.records import (
 )
 from flashrecovery.trainer_hooks import barrier, final_state
 from flashrecovery.trainer_hooks.decisions import PROCESS_DECISIONS
-from flashrecovery.trainer_hooks.env import CHECKPOINT_DIR, CHECKPOINT_EVERY
+from flashrecovery.trainer_hooks.env import CHECKPOINT_DIR, CHECKPOINT_EVERY, GROUP_REBUILD
 from flashrecovery.trainer_hooks.heartbeat import HeartbeatThread
 
 log = structlog.get_logger("flashrecovery.agent")
@@ -347,6 +347,7 @@ class Agent:
             "FLASHRECOVERY_LOG": self.log_url,
             "FLASHRECOVERY_HEARTBEAT_INTERVAL": str(self.config.heartbeat_interval_s),
             "FLASHRECOVERY_SHARDS": str(self.config.shards),
+            GROUP_REBUILD: self.config.group_rebuild,
             **(
                 {"FLASHRECOVERY_FAULT_PLAN": self.config.fault_plan.spec()}
                 if self.config.fault_plan.entries

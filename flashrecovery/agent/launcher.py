@@ -10,6 +10,7 @@ from pathlib import Path
 from flashrecovery.agent.config import SPARE_REFILL, START_METHODS, AgentConfig, Endpoint
 from flashrecovery.errors import ConfigError
 from flashrecovery.observe.exporter import add_metrics_port
+from flashrecovery.trainer_hooks.env import GROUP_REBUILDS
 from flashrecovery.trainer_hooks.faults import FaultPlan
 
 NODE_RANK_OMITTED = -1  # no --node-rank given: decided by who can host the endpoint
@@ -106,6 +107,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="model shards (HSDP: the mesh's shard dimension); rank r holds shard r %% S, "
         "the ranks of one shard are its replicas (default 1: pure data parallel)",
+    )
+    parser.add_argument(
+        "--group-rebuild",
+        choices=GROUP_REBUILDS,
+        default="fresh",
+        help="how the process groups a script holds (DDP, FSDP2, DeviceMesh) change generation: "
+        "a new backend per generation (fresh, the default: lazy gloo, and a new NCCL "
+        "communicator bootstrapped by the whole group), or one backend reconfigured in place "
+        "(reconfigure: torch's fault-tolerance API; on NCCL >= 2.28 the lost ranks are shrunk "
+        "out and the replacements grown in, no bootstrap of the whole group)",
     )
     parser.add_argument(
         "--checkpoint-dir",
@@ -246,6 +257,7 @@ def run(args: argparse.Namespace) -> int:
                 shards=args.shards,
                 checkpoint_dir=args.checkpoint_dir,
                 checkpoint_every=args.checkpoint_every,
+                group_rebuild=args.group_rebuild,
                 spare_refill=args.spare_refill,
                 start_method=args.start_method,
                 metrics_port=args.metrics_port,

@@ -13,6 +13,8 @@ from flashrecovery.trainer_hooks.faults import Fault, FaultPlan
 
 CHECKPOINT_DIR = "FLASHRECOVERY_CHECKPOINT_DIR"
 CHECKPOINT_EVERY = "FLASHRECOVERY_CHECKPOINT_EVERY"
+GROUP_REBUILD = "FLASHRECOVERY_GROUP_REBUILD"
+GROUP_REBUILDS = ("fresh", "reconfigure")
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class LaunchEnv:
     node: int = 0  # the node whose agent started it (FLASHRECOVERY_NODE)
     checkpoint_dir: Path | None = None  # where checkpoints go (trainer_hooks/checkpoint.py)
     checkpoint_every: int = 0  # save after every this many committed steps
+    group_rebuild: str = "fresh"  # or "reconfigure": how stable groups change generation
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> LaunchEnv:
@@ -54,6 +57,10 @@ class LaunchEnv:
         role = need("FLASHRECOVERY_ROLE")
         if role not in ("rank", "spare"):
             raise LaunchError(f"FLASHRECOVERY_ROLE={role!r}: expected 'rank' or 'spare'")
+        if env.get(GROUP_REBUILD, "fresh") not in GROUP_REBUILDS:
+            raise LaunchError(
+                f"{GROUP_REBUILD}={env[GROUP_REBUILD]!r}: expected one of {GROUP_REBUILDS}"
+            )
         try:
             return cls(
                 job_id=need("FLASHRECOVERY_JOB_ID"),
@@ -78,6 +85,7 @@ class LaunchEnv:
                 checkpoint_dir=Path(env[CHECKPOINT_DIR]) if env.get(CHECKPOINT_DIR) else None,
                 checkpoint_every=int(env.get(CHECKPOINT_EVERY, "0")),
                 agent_link=need("FLASHRECOVERY_AGENT_LINK"),
+                group_rebuild=env.get(GROUP_REBUILD, "fresh"),
             )
         except ValueError as exc:
             raise LaunchError(f"bad launch environment: {exc}") from None

@@ -120,7 +120,7 @@ class Session:
         self._release: tuple[int, Callable[[dist.Store], object]] | None = None
         # The user's process groups (DDP, FSDP2, DeviceMesh): rebuilt under them per generation.
         self._stable = stable_group.StableGroups(
-            "cuda" if torch.cuda.is_available() else "cpu", self._superseded
+            "cuda" if torch.cuda.is_available() else "cpu", self._superseded, env.group_rebuild
         )
         self._checkpoints = None if env.checkpoint_dir is None else self._checkpointer()
         self._checkpoint_due = False  # the step just committed is saved as the next begins

@@ -16,12 +16,15 @@ its tensors as they are. Whatever that computes is overwritten by the state tran
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as C10dBackend
+from torch._C._distributed_c10d import ReconfigureOptions
 
 from flashrecovery.errors import Superseded
 from flashrecovery.trainer_hooks import groups, inflight
@@ -147,26 +150,79 @@ class _GuardedWork(dist.Work):
         return inflight.future(self._work, self._group, self._superseded).then(settle)
 
 
+class Reconfigurable:
+    """A stable group's one backend for the whole job, reconfigured in place for each
+    generation through torch's fault-tolerance API (``enable_reconfigure``; torch >= 2.15).
+    On NCCL (``ProcessGroupNCCL2``, NCCL >= 2.28) a reconfigure revokes the communicator,
+    shrinks the lost ranks out and grows the replacements in from the survivors' communicator,
+    instead of bootstrapping the whole group again as a new communicator would. Gloo offers
+    the same API (each reconfigure builds a new full mesh: slower than ``LazyGloo``, which is
+    why gloo uses it only when asked, and how this path is tested without a GPU)."""
+
+    def __init__(self, store: dist.Store, name: str, rank: int, size: int, device: str) -> None:
+        prefixed = dist.PrefixStore(f"pg/{name}/", store)
+        self.device, self.rank, self.size = device, rank, size
+        self.backend: C10dBackend
+        if device == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = COLLECTIVE_TIMEOUT
+            options.enable_reconfigure = True
+            self.backend = dist.ProcessGroupNCCL2(prefixed, rank, size, options)
+        else:
+            self.backend = dist.ProcessGroupGloo(
+                prefixed, rank, size, timeout=COLLECTIVE_TIMEOUT, enable_reconfigure=True
+            )
+        if not self.backend.supports_reconfigure:
+            raise RuntimeError(f"{type(self.backend).__name__} cannot be reconfigured here")
+
+    def reconfigure(self, rendezvous: groups.Rendezvous, uuid: int) -> None:
+        """Every member's call for the generation (each with its handle, exchanged under
+        ``rendezvous``, whose waits a newer generation cuts short); raises if one fails."""
+        rendezvous.set(str(self.rank), self.backend.get_reconfigure_handle())
+        handles = [rendezvous.get(str(peer)).decode() for peer in range(self.size)]
+        options = ReconfigureOptions()
+        options.uuid, options.handles, options.timeout = uuid, handles, COLLECTIVE_TIMEOUT
+        self.backend.reconfigure(options).wait()
+
+
 class _Generation:
     """One generation's backend of a stable group, under ``gen/{g}/pg/{name}/``: a torch
     ProcessGroup (every collective of its API) over a lazily connecting gloo group (its pairs
     connect on the first collective that uses them, so building it waits for nobody; a first
     connect may wait as long as a collective), plus NCCL
     for CUDA tensors. Whatever keeps the generation alive holds this object, so the gloo group
-    is let go of cleanly only once nothing does (groups.LazyGloo)."""
+    is let go of cleanly only once nothing does (groups.LazyGloo). With a ``Reconfigurable``
+    backend (already reconfigured for this generation) that one serves its device instead of
+    a new one."""
 
     def __init__(
-        self, store: dist.Store, generation: int, name: str, rank: int, size: int, device: str
+        self,
+        store: dist.Store,
+        generation: int,
+        name: str,
+        rank: int,
+        size: int,
+        device: str,
+        reconfigured: Reconfigurable | None = None,
     ) -> None:
         prefixed = dist.PrefixStore(f"gen/{generation}/pg/{name}/", store)
         self.group = dist.ProcessGroup(prefixed, rank, size)
-        self._gloo = groups.LazyGloo(prefixed, rank, size, COLLECTIVE_TIMEOUT)
-        self.group._register_backend(torch.device("cpu"), GLOO, self._gloo.backend)
+        if reconfigured is not None and reconfigured.device == "cpu":
+            self.group._register_backend(torch.device("cpu"), GLOO, reconfigured.backend)
+        else:
+            self._gloo = groups.LazyGloo(prefixed, rank, size, COLLECTIVE_TIMEOUT)
+            self.group._register_backend(torch.device("cpu"), GLOO, self._gloo.backend)
         self.group._set_default_backend(GLOO)
         if device == "cuda":
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = COLLECTIVE_TIMEOUT
-            nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", prefixed), rank, size, options)
+            nccl: C10dBackend
+            if reconfigured is not None:
+                nccl = reconfigured.backend
+            else:
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = COLLECTIVE_TIMEOUT
+                nccl = dist.ProcessGroupNCCL(
+                    dist.PrefixStore("nccl/", prefixed), rank, size, options
+                )
             self.group._register_backend(torch.device("cuda"), NCCL, nccl)
             self.group._set_default_backend(NCCL)
 
@@ -182,13 +238,18 @@ class StableGroup(dist.ProcessGroup):
         size: int,
         device: str,
         superseded: Callable[[], bool] = lambda: False,
+        reconfigure: bool = False,
     ) -> None:
-        """``superseded()``: whether a generation newer than the attached one is planned."""
+        """``superseded()``: whether a generation newer than the attached one is planned.
+        ``reconfigure``: keep one ``Reconfigurable`` backend, reconfigured per generation
+        (else a new backend per generation)."""
         super().__init__(rank, size)
         self._name, self._desc, self._device = name, name, device
         self._superseded = superseded
         self._lock = threading.Lock()
         self._inner: _Generation | None = None
+        self._reconfigures = reconfigure
+        self._reconfigurable: Reconfigurable | None = None
         # The first failure's message: never the exception, whose traceback would keep a
         # gloo work, and with it the generation's connections, alive.
         self._error: str | None = None
@@ -198,9 +259,33 @@ class StableGroup(dist.ProcessGroup):
     def attach(self, store: dist.Store, generation: int) -> None:
         """Build this group's backend for ``generation`` (every member must call it)."""
         self.detach()
-        inner = _Generation(store, generation, self._name, self.rank(), self.size(), self._device)
+        try:
+            reconfigured = self._reconfigure(store, generation)
+        except RuntimeError as exc:  # a member lost meanwhile: this generation's steps abort
+            self._reconfigurable = None  # the next generation starts from a new backend
+            self.fail(str(exc))
+            return
+        inner = _Generation(
+            store, generation, self._name, self.rank(), self.size(), self._device, reconfigured
+        )
         with self._lock:
             self._inner, self._error = inner, None
+
+    def _reconfigure(self, store: dist.Store, generation: int) -> Reconfigurable | None:
+        if not self._reconfigures:
+            return None
+        if self._reconfigurable is None:
+            self._reconfigurable = Reconfigurable(
+                store, self._name, self.rank(), self.size(), self._device
+            )
+        handles = dist.PrefixStore(f"gen/{generation}/pg/{self._name}/handles/", store)
+        # The same on every member, never the same for two groups or generations.
+        digest = hashlib.sha256(f"{self._name}/{generation}".encode()).digest()
+        self._reconfigurable.reconfigure(
+            groups.Rendezvous(handles, self._superseded, f"group {self._name}'s reconfigure"),
+            uuid=int.from_bytes(digest[:7], "big"),
+        )
+        return self._reconfigurable
 
     def detach(self) -> None:
         """Let go of the backend: its connections close once nothing holds it (gloo's
@@ -217,9 +302,10 @@ class StableGroup(dist.ProcessGroup):
                 inner = self._inner
             else:
                 inner = None
-        if inner is not None and self._device == "cuda":
+        if inner is not None and self._device == "cuda" and not self._reconfigures:
             # NCCL would wait for its timeout: abort the communicators (callable from any
-            # thread). Gloo needs nothing: a dead peer's closed sockets fail its operations.
+            # thread; a reconfigured one is revoked by its next reconfigure instead). Gloo
+            # needs nothing: a dead peer's closed sockets fail its operations.
             with contextlib.suppress(RuntimeError):
                 inner.group.abort()
 
@@ -276,9 +362,17 @@ class StableGroups:
     """Every stable group of this process, in creation order (the order every rank builds
     them in), and the generation they are attached to."""
 
-    def __init__(self, device: str, superseded: Callable[[], bool] = lambda: False) -> None:
+    def __init__(
+        self,
+        device: str,
+        superseded: Callable[[], bool] = lambda: False,
+        rebuild: str = "fresh",
+    ) -> None:
+        """``rebuild``: "fresh", a new backend per generation, or "reconfigure", one
+        ``Reconfigurable`` backend per group for the whole job."""
         self.device = device  # "cuda" (NCCL underneath) or "cpu" (gloo)
         self._superseded = superseded
+        self._reconfigure = rebuild == "reconfigure"
         self._groups: list[StableGroup] = []
         self._formed: tuple[dist.Store, int] | None = None
 
@@ -295,6 +389,7 @@ class StableGroups:
             options.group_size,
             self.device,
             self._superseded,
+            self._reconfigure,
         )
         self._groups.append(group)
         if self._formed is not None:

@@ -136,6 +136,7 @@ def run_job(
     shards: int = 1,
     checkpoint_every: int = 0,  # > 0: checkpoints in tmp_path/checkpoints
     start_method: str = "forkserver",
+    group_rebuild: str = "fresh",
 ) -> JobResult:
     """Run the training script on ``nproc`` ranks; ``kill_at`` maps rank -> the step after whose
     commit (as the log shows it) the rank's process is SIGKILLed from outside; ``scenario``
@@ -166,6 +167,7 @@ def run_job(
             checkpoint_dir=tmp_path / "checkpoints" if checkpoint_every else None,
             checkpoint_every=checkpoint_every,
             start_method=start_method,
+            group_rebuild=group_rebuild,
         )
     )
     result: dict[str, int] = {}

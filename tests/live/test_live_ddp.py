@@ -36,6 +36,18 @@ def test_ddp_kill_with_hot_spare(tmp_path: Path, ddp_reference: torch.Tensor) ->
     assert {e.rank for e in job.records(type="collective_error")} <= {0, 2}
 
 
+def test_ddp_kill_with_hot_spare_on_a_reconfigured_group(
+    tmp_path: Path, ddp_reference: torch.Tensor
+) -> None:
+    """``--group-rebuild reconfigure``: the DDP group's one backend is reconfigured in place to
+    take the spare (gloo here; on CUDA the NCCL communicator shrinks and grows)."""
+    job = run_job(tmp_path, spares=1, kill_at={1: 8}, script_args=DDP, group_rebuild="reconfigure")
+    assert_lossless(job, ddp_reference, incidents=1)
+    assert_survivors_kept(job, failed={1})
+    activated = job.records(type="spare_activated")
+    assert job.final(1)["pid"] == activated[0].pid
+
+
 def test_ddp_kill_without_spare(tmp_path: Path, ddp_reference: torch.Tensor) -> None:
     job = run_job(tmp_path, spares=0, kill_at={2: 8}, script_args=DDP)
     assert_lossless(job, ddp_reference, incidents=1)

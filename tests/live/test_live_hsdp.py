@@ -42,6 +42,16 @@ def test_rank_restored_from_its_shards_replica(
     assert (moved.rank, moved.donor) == (1, 3)
 
 
+def test_rank_restored_on_a_reconfigured_mesh(tmp_path: Path, hsdp_reference: torch.Tensor) -> None:
+    """``--group-rebuild reconfigure``: each of the mesh's groups (world, replicate, shard)
+    keeps one backend, reconfigured in place to take the spare."""
+    job = run_hsdp(tmp_path, spares=1, kill_at={2: 8}, group_rebuild="reconfigure")
+    assert_lossless(job, hsdp_reference, incidents=1, world=4)
+    assert_survivors_kept(job, failed={2}, world=4)
+    [moved] = job.records(type="state_transferred")
+    assert (moved.rank, moved.donor) == (2, 0)  # rank 0 holds shard 0 too
+
+
 def test_two_shards_lost_together_restored_in_parallel(
     tmp_path: Path, hsdp_reference: torch.Tensor
 ) -> None:
