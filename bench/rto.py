@@ -1,6 +1,7 @@
 """Recovery time of a SIGKILLed rank, with a hot spare and with a freshly spawned replacement.
 
-    python bench/rto.py [--worlds 2 4] [--parallel hook hsdp] [--kills 5] [--quick]
+    python bench/rto.py [--worlds 2 4] [--parallel hook ddp hsdp] [--kills 5] [--quick]
+                        [--modes "hot spare"] [--group-rebuild fresh reconfigure]
     python bench/rto.py --nodes [2 3]
 
 For each world size and mode, one job of the demo's model runs under `flashrecovery run` while a
@@ -9,7 +10,9 @@ seeded random rank is SIGKILLed from outside, ``--kills`` times, each once the j
 rank having committed a new step (the engine's IncidentClosed); the phases come from the incident
 machine. ``--parallel`` picks how the demo trains: ``hook`` (pure data parallel, every rank a
 replica of the whole state) and ``hsdp`` (FSDP2 on a replicas x 2 shards mesh, 4 or more ranks:
-a replacement receives its shard's state only); the state moved (bytes, all recipients) and the
+a replacement receives its shard's state only), or ``ddp`` (torch DDP over the stable group);
+``--group-rebuild`` sets how the stable groups of ``ddp`` and ``hsdp`` change generation
+(``flashrecovery run --group-rebuild``). The state moved (bytes, all recipients) and the
 restore (the slowest recipient's receive, ms) come from StateTransferred. Medians go to
 bench/results/rto.json, a table and bench/results/rto.png. It measures, it asserts nothing.
 
@@ -63,12 +66,16 @@ def measure(
     tmp: Path,
     timeout: float,
     script: Path | None = None,
+    group_rebuild: str = "fresh",
 ) -> list[Any]:
     """Kill ``kills`` ranks of one job, one at a time; the closed incidents' rows. ``script``:
     a training script taking ``--steps`` instead of the demo's model."""
     spec = dataclasses.replace(
-        job_spec(f"rto-{world}-{parallel}-{MODES[mode]}", tmp, world, MODES[mode], STEPS),
+        job_spec(
+            f"rto-{world}-{parallel}-{MODES[mode]}-{group_rebuild}", tmp, world, MODES[mode], STEPS
+        ),
         parallel=parallel,
+        agent_args=("--group-rebuild", group_rebuild),
     )
     if script is not None:
         spec = dataclasses.replace(spec, script=script, script_args=("--steps", str(STEPS)))
@@ -223,7 +230,9 @@ def segments(row: dict[str, Any]) -> dict[str, float]:
     return {"detection": row["detection_s"], **{p: row["phases_s"].get(p, 0.0) for p in PHASES[1:]}}
 
 
-def aggregate(world: int, parallel: str, mode: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
+def aggregate(
+    world: int, parallel: str, mode: str, rows: list[dict[str, Any]], group_rebuild: str = "fresh"
+) -> dict[str, Any]:
     def median(values: list[float]) -> float | None:
         return statistics.median(values) if values else None
 
@@ -231,6 +240,7 @@ def aggregate(world: int, parallel: str, mode: str, rows: list[dict[str, Any]]) 
     return {
         "world_size": world,
         "parallel": parallel,
+        "group_rebuild": group_rebuild,
         "mode": mode,
         "kills_measured": len(rows),
         "replacements": dict(Counter(str(r["replacement"]) for r in rows)),
@@ -241,6 +251,11 @@ def aggregate(world: int, parallel: str, mode: str, rows: list[dict[str, Any]]) 
         "median_segments_s": {s: median([p[s] for p in parts]) for s in SEGMENTS},
         "incidents": rows,
     }
+
+
+def _label(config: dict[str, Any]) -> str:
+    rebuild = "" if config["group_rebuild"] == "fresh" else f" ({config['group_rebuild']})"
+    return f"{config['world_size']} {config['parallel']}{rebuild}"
 
 
 def _ms(seconds: float | None) -> str:
@@ -265,8 +280,18 @@ def main() -> None:
         "--parallel",
         nargs="+",
         default=["hook", "hsdp"],
-        choices=["hook", "hsdp"],
+        choices=["hook", "ddp", "hsdp"],
         help="how the demo trains (hsdp: worlds of 4 or more, even)",
+    )
+    parser.add_argument(
+        "--modes", nargs="+", default=list(MODES), choices=list(MODES), help="replacements"
+    )
+    parser.add_argument(
+        "--group-rebuild",
+        nargs="+",
+        default=["fresh"],
+        choices=["fresh", "reconfigure"],
+        help="how ddp's and hsdp's groups change generation (hook has none: fresh only)",
     )
     parser.add_argument(
         "--quick", action="store_true", help="hook on 2 ranks, hsdp on 4, 1 kill per mode"
@@ -287,28 +312,36 @@ def main() -> None:
     if args.quick:
         args.worlds, args.kills = [2, 4], 1
     runs = [
-        (world, parallel)
+        (world, parallel, rebuild)
         for world in args.worlds
         for parallel in args.parallel
-        if (parallel == "hook" and not (args.quick and world > 2))
+        for rebuild in (["fresh"] if parallel == "hook" else args.group_rebuild)
+        if (parallel in ("hook", "ddp") and not (args.quick and world > 2))
         or (parallel == "hsdp" and world >= 4 and world % 2 == 0)
     ]
     configs = []
     with tempfile.TemporaryDirectory(prefix="flashrecovery-rto-") as tmp:
-        for world, parallel in runs:
-            for mode in MODES:
-                console.print(f"{world} ranks {parallel}, {mode}: {args.kills} kills …")
+        for world, parallel, rebuild in runs:
+            for mode in args.modes:
+                console.print(f"{world} ranks {parallel} ({rebuild}), {mode}: {args.kills} kills …")
                 rows = measure(
-                    world, parallel, mode, args.kills, args.seed, Path(tmp), args.timeout
+                    world,
+                    parallel,
+                    mode,
+                    args.kills,
+                    args.seed,
+                    Path(tmp),
+                    args.timeout,
+                    group_rebuild=rebuild,
                 )
-                configs.append(aggregate(world, parallel, mode, rows))
+                configs.append(aggregate(world, parallel, mode, rows, rebuild))
     settings = {"kills": args.kills, "gap_steps": GAP_STEPS, "seed": args.seed}
     path = write_json("rto", {"machine": machine(), "settings": settings, "configs": configs})
 
     console.print(
         table(
             f"RTO, median ms over {args.kills} kills (SIGKILL → every rank committed a new step)",
-            ["", *(f"{c['world_size']} {c['parallel']}, {c['mode']}" for c in configs)],
+            ["", *(f"{_label(c)}, {c['mode']}" for c in configs)],
             [
                 ["kills measured", *(str(c["kills_measured"]) for c in configs)],
                 ["state moved, kB", *(_kb(c["median_bytes_moved"]) for c in configs)],
@@ -323,7 +356,7 @@ def main() -> None:
         "rto",
         "recovery time by phase (medians)",
         "ms",
-        [f"{c['world_size']} {c['parallel']}\n{c['mode']}" for c in configs],
+        [f"{_label(c)}\n{c['mode']}" for c in configs],
         {s: [(c["median_segments_s"][s] or 0.0) * 1000 for c in configs] for s in SEGMENTS},
     )
     console.print(f"written {path} and {plot}")
