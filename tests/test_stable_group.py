@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -168,6 +169,37 @@ def test_a_reconfigured_group_takes_a_replacement_under_a_wrapped_model(
     # two ranks' (2 and 4) to 3 on both. Without the replacement's share it would stay 2 or 4.
     grads = {(tmp_path / f"grad-{rank}").read_text() for rank in (0, 1)}
     assert grads == {str([[3.0, 3.0, 3.0, 3.0]])}
+
+
+def _handle_then_die(port: int) -> None:
+    """Rank 1 of group "world": gives its reconfigure handle for generation 0 as a member
+    does, then is lost before it reconfigures."""
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
+    backend = stable_group.Reconfigurable(store, "world", 1, 2, "cpu")
+    dist.PrefixStore("gen/0/pg/world/handles/", store).set(
+        "1", backend.backend.get_reconfigure_handle()
+    )
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_member_lost_after_giving_its_handle_holds_the_reconfigure_only_until_a_newer_plan(
+    tmp_path: Path,
+) -> None:
+    """Without the release the survivor would wait out the backend's reconfigure timeout
+    (60 s), its generation's resume with it."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    lost = mp.get_context("spawn").Process(target=_handle_then_die, args=(store.port,))
+    lost.start()
+    lost.join(60)
+    assert lost.exitcode == -signal.SIGKILL
+    planned = threading.Event()
+    group = stable_group.StableGroup("world", 0, 2, "cpu", planned.is_set, reconfigure=True)
+    threading.Timer(1.0, planned.set).start()  # the engine plans the next generation
+    started = time.monotonic()
+    group.attach(store, 0)
+    elapsed = time.monotonic() - started
+    assert group.error is not None and "newer generation was planned" in group.error
+    assert 1.0 <= elapsed < stable_group.COLLECTIVE_TIMEOUT.total_seconds() / 4
 
 
 def _stuck_peer_rank(rank: int, port: int, out: str, where: str) -> None:

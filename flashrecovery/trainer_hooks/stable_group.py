@@ -175,14 +175,35 @@ class Reconfigurable:
         if not self.backend.supports_reconfigure:
             raise RuntimeError(f"{type(self.backend).__name__} cannot be reconfigured here")
 
-    def reconfigure(self, rendezvous: groups.Rendezvous, uuid: int) -> None:
+    def reconfigure(
+        self, rendezvous: groups.Rendezvous, uuid: int, superseded: Callable[[], bool]
+    ) -> None:
         """Every member's call for the generation (each with its handle, exchanged under
-        ``rendezvous``, whose waits a newer generation cuts short); raises if one fails."""
+        ``rendezvous``); raises if one fails. A member lost after it gave its handle leaves
+        the others waiting in the backend's reconfigure for as long as its timeout: that wait
+        runs in a thread of its own, given up on as soon as ``superseded()`` holds (the backend
+        is then dropped with the thread, which ends at the timeout)."""
         rendezvous.set(str(self.rank), self.backend.get_reconfigure_handle())
         handles = [rendezvous.get(str(peer)).decode() for peer in range(self.size)]
         options = ReconfigureOptions()
         options.uuid, options.handles, options.timeout = uuid, handles, COLLECTIVE_TIMEOUT
-        self.backend.reconfigure(options).wait()
+        failed: list[RuntimeError] = []
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                self.backend.reconfigure(options).wait()
+            except RuntimeError as exc:
+                failed.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="reconfigure", daemon=True).start()
+        while not done.wait(groups.RENDEZVOUS_SLICE.total_seconds()):
+            if superseded():
+                raise RuntimeError("a newer generation was planned while the group reconfigured")
+        if failed:
+            raise failed[0]
 
 
 class _Generation:
@@ -283,7 +304,8 @@ class StableGroup(dist.ProcessGroup):
         digest = hashlib.sha256(f"{self._name}/{generation}".encode()).digest()
         self._reconfigurable.reconfigure(
             groups.Rendezvous(handles, self._superseded, f"group {self._name}'s reconfigure"),
-            uuid=int.from_bytes(digest[:7], "big"),
+            int.from_bytes(digest[:7], "big"),
+            self._superseded,
         )
         return self._reconfigurable
 
