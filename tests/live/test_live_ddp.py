@@ -48,6 +48,22 @@ def test_ddp_kill_with_hot_spare_on_a_reconfigured_group(
     assert job.final(1)["pid"] == activated[0].pid
 
 
+def test_second_rank_lost_while_a_reconfigured_group_regroups(
+    tmp_path: Path, ddp_reference: torch.Tensor
+) -> None:
+    """Rank 2 dies as generation 1 forms: the survivors' reconfigure waits for its handle only
+    until generation 2 is planned, which reconfigures from new backends."""
+    job = run_job(
+        tmp_path,
+        spares=2,
+        fault_plan=["1:before_reduce@8", "2:regroup@7"],
+        script_args=DDP,
+        group_rebuild="reconfigure",
+    )
+    assert_lossless(job, ddp_reference, incidents=2)
+    assert_survivors_kept(job, failed={1, 2})
+
+
 def test_ddp_kill_without_spare(tmp_path: Path, ddp_reference: torch.Tensor) -> None:
     job = run_job(tmp_path, spares=0, kill_at={2: 8}, script_args=DDP)
     assert_lossless(job, ddp_reference, incidents=1)
