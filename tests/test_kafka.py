@@ -27,7 +27,9 @@ from flashrecovery.records import (
     Envelope,
     Heartbeat,
     IsolateRank,
+    RegroupPlanned,
     Stream,
+    dump_record,
     parse_record,
 )
 
@@ -64,6 +66,28 @@ def test_an_independent_client_reads_back_exactly_what_the_connector_wrote(
 
     assert read(f"{prefix}events") == written  # every job's records, in its order
     assert read(f"{prefix}decisions") == {"job-a": [decision]}
+
+
+def test_a_regroup_decision_of_a_large_world_passes_kafkas_default_record_limit(
+    kafka_bootstrap: str,
+) -> None:
+    """A regroup lists every member: 200,000 ranks make a 1.3 MB record, past the producer's
+    and the broker's default 1 MB, which once made such a job's recovery unwritable."""
+    members = list(range(200_000))
+    decision = RegroupPlanned(
+        job_id="big",
+        generation=1,
+        source="engine",
+        caused_by=0,
+        members=members,
+        replaced=[7],
+        incident_id="big-incident-1",
+    )
+    assert len(dump_record(decision)) > 1024 * 1024
+    with open_log(kafka_url(kafka_bootstrap)) as log:
+        log.append(Stream.DECISIONS, decision)
+        [entry] = log.read(Stream.DECISIONS, "big")
+    assert entry.record == decision
 
 
 def test_jobs_keep_their_order_across_partitions(kafka_bootstrap: str) -> None:

@@ -40,6 +40,9 @@ PRODUCER_LINGER_MS = 5
 PRODUCER_BATCH_BYTES = 512 * 1024
 CONSUMER_POLL_RECORDS = 5000
 CONSUMER_FETCH_BYTES = 8 * 1024 * 1024
+# The largest record the producer sends and the job's topics take (the broker's default is
+# 1 MB). A regroup decision lists every member, about 6 bytes per rank: 1 MB is ~170,000 ranks.
+RECORD_MAX_BYTES = 16 * 1024 * 1024  # below the producer's 32 MB buffer
 _OWN = {"topic_prefix", "partitions", "replication_factor", "timeout_s"}
 _SECRET = re.compile(r"((?:password|token|secret)[^=&]*=)[^&]*", re.IGNORECASE)
 
@@ -146,6 +149,7 @@ class KafkaSettings:
                 # (bench/kafka_throughput.py); below the broker's 1 MB message limit.
                 "linger_ms": linger_ms,
                 "batch_size": PRODUCER_BATCH_BYTES,
+                "max_request_size": RECORD_MAX_BYTES,
             }
         elif client == "consumer":
             ours |= {
@@ -195,6 +199,7 @@ def ensure_topics(settings: KafkaSettings) -> list[str]:
                 spec = {
                     "num_partitions": settings.partitions,
                     "replication_factor": settings.replication_factor,
+                    "configs": {"max.message.bytes": str(RECORD_MAX_BYTES)},
                 }
                 try:
                     admin.create_topics(
