@@ -38,6 +38,7 @@ from flashrecovery.demo.job import (
 from flashrecovery.demo.summary import summarize
 from flashrecovery.demo.watch import JobWatch, Kill, Killer, follow
 from flashrecovery.errors import LogError
+from flashrecovery.trainer_hooks.env import GROUP_REBUILDS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -97,6 +98,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="who reduces the gradients: the hook (default), torch DDP on the stable group, or "
         f"FSDP2 HSDP on a (nproc/{HSDP_SHARDS}, {HSDP_SHARDS}) mesh, or FSDP2 over all ranks "
         f"(fsdp: no replica, a checkpoint every {FSDP_CHECKPOINT_EVERY} steps to fall back to)",
+    )
+    parser.add_argument(
+        "--group-rebuild",
+        choices=GROUP_REBUILDS,
+        default="fresh",
+        help="with ddp, hsdp or fsdp: how their process groups change generation "
+        "(flashrecovery run --group-rebuild)",
     )
 
 
@@ -215,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
         nodes=args.nodes,
         spare_nodes=0 if args.nodes == 1 else 1,
         checkpoint_every=checkpoint_every,
+        agent_args=("--group-rebuild", args.group_rebuild),
     )
     reference = (
         JobSpec(
