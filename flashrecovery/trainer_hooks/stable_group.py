@@ -187,13 +187,13 @@ class Reconfigurable:
         handles = [rendezvous.get(str(peer)).decode() for peer in range(self.size)]
         options = ReconfigureOptions()
         options.uuid, options.handles, options.timeout = uuid, handles, COLLECTIVE_TIMEOUT
-        failed: list[RuntimeError] = []
+        failed: list[Exception] = []  # raised here: a peer's loss (RuntimeError) or a bug
         done = threading.Event()
 
         def run() -> None:
             try:
                 self.backend.reconfigure(options).wait()
-            except RuntimeError as exc:
+            except Exception as exc:  # re-raised in the caller's thread
                 failed.append(exc)
             finally:
                 done.set()
