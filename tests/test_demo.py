@@ -60,11 +60,12 @@ def run_demo(tmp_path: Path, *options: str, timeout: float) -> tuple[dict[str, A
 
 
 def run_kill_demo(
-    tmp_path: Path, parallel: str, nproc: int, kill: str
+    tmp_path: Path, parallel: str, nproc: int, kill: str, *options: str
 ) -> tuple[dict[str, Any], str, int]:
     """One rank SIGKILLed in a 16-step demo with a hot spare."""
     return run_demo(
         tmp_path,
+        *options,
         "--nproc", str(nproc),
         "--spares", "1",
         "--steps", "16",  # room for the kill to wait for the spare on a busy machine
@@ -75,11 +76,19 @@ def run_kill_demo(
     )  # fmt: skip
 
 
-@pytest.mark.parametrize(("parallel", "nproc"), [("hook", 2), ("ddp", 2), ("hsdp", 4)])
-def test_demo_kill_recovers_bitwise_equal(tmp_path: Path, parallel: str, nproc: int) -> None:
-    """With the hook's own reduce, with the GPT wrapped in torch DDP on the stable group, and
-    sharded with FSDP2 on a 2 x 2 HSDP mesh (rank 1 restored from rank 3, its shard's replica)."""
-    summary, context, code = run_kill_demo(tmp_path, parallel, nproc, "1@3")
+@pytest.mark.parametrize(
+    ("parallel", "nproc", "rebuild"),
+    [("hook", 2, "fresh"), ("ddp", 2, "fresh"), ("ddp", 2, "reconfigure"), ("hsdp", 4, "fresh")],
+)
+def test_demo_kill_recovers_bitwise_equal(
+    tmp_path: Path, parallel: str, nproc: int, rebuild: str
+) -> None:
+    """With the hook's own reduce, with the GPT wrapped in torch DDP on the stable group (its
+    backend new per generation, or reconfigured in place), and sharded with FSDP2 on a 2 x 2
+    HSDP mesh (rank 1 restored from rank 3, its shard's replica)."""
+    summary, context, code = run_kill_demo(
+        tmp_path, parallel, nproc, "1@3", "--group-rebuild", rebuild
+    )
     assert summary["completed"], context
     assert [k["outcome"] for k in summary["kills"]] == ["killed"], context
     assert summary["verify"]["bitwise_equal"] is True, context
