@@ -138,7 +138,12 @@ def follower_main(log_url: str, job: str, link_path: str) -> None:
 def follow_the_log(log_url: str, job: str, on_regroup: Callable[[int], None]) -> None:
     """How a rank's decisions thread followed the log itself before the agent relayed them."""
     stop = threading.Event()
-    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+
+    def stop_at_eof() -> None:
+        sys.stdin.read()
+        stop.set()
+
+    threading.Thread(target=stop_at_eof, daemon=True).start()
     with open_log(log_url) as log:
         cursor = StreamCursor(log, Stream.DECISIONS, job, stop=stop)
         while not stop.is_set():

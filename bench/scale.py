@@ -163,7 +163,7 @@ def beating(world: SimulatedNodes, silent: set[int]) -> Iterator[list[int]]:
 def simulate(ranks: int, url: str, steady_intervals: int) -> dict[str, Any]:
     """One world of ``ranks``: start, beat for ``steady_intervals``, then a node falls silent."""
     world = SimulatedNodes(f"scale-{ranks}-{uuid.uuid4().hex[:6]}", nodes=ranks // PER_NODE)
-    lost, silent = world.nodes // 2, set()
+    lost, silent = world.nodes // 2, set[int]()
     schedule = beating(world, silent)
     with open_log(url) as log:
         meter = EngineMeter(log, world)
@@ -190,7 +190,7 @@ def simulate(ranks: int, url: str, steady_intervals: int) -> dict[str, Any]:
             "log_append_records_per_s_capacity": meter.records / meter.append_s,
         }
         silent.add(lost)
-        silent_from, missed = world.clock, []
+        silent_from, missed = world.clock, list[NodeMissed]()
         while not missed:
             if world.clock - silent_from > 20 * world.heartbeat_interval_s:
                 raise RuntimeError(f"{ranks} ranks: the silent node {lost} was never found")
