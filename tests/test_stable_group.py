@@ -25,6 +25,12 @@ from flashrecovery.trainer_hooks.position import DataPosition
 TIMEOUT = datetime.timedelta(seconds=30)
 
 
+def on_cpu_and_cuda(why_cuda_needs_two: str) -> pytest.MarkDecorator:
+    """Run on gloo, and on NCCL where 2 CUDA devices exist (skipped with the reason else)."""
+    needs_two = pytest.mark.skipif(torch.cuda.device_count() < 2, reason=why_cuda_needs_two)
+    return pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_two)])
+
+
 def test_a_group_in_no_generation_is_local() -> None:
     group = stable_group.StableGroup("world", rank=1, size=3, device="cpu")
     mine = torch.tensor([1.0, 2.0])
@@ -69,19 +75,7 @@ def _ddp_rank(rank: int, port: int, out: str, device: str) -> None:
     os._exit(0)
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=pytest.mark.skipif(
-                torch.cuda.device_count() < 2,
-                reason="the NCCL path (communicators aborted on a failure) needs 2 CUDA devices",
-            ),
-        ),
-    ],
-)
+@on_cpu_and_cuda("the NCCL path (communicators aborted on a failure) needs 2 CUDA devices")
 def test_a_dead_peer_in_ddp_backward_is_recorded_not_raised(tmp_path: Path, device: str) -> None:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     out = tmp_path / "error.txt"
@@ -129,19 +123,7 @@ def _reconfigured_rank(rank: int, port: int, out: str, replacement: bool, device
     os._exit(0)
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=pytest.mark.skipif(
-                torch.cuda.device_count() < 2,
-                reason="NCCL's reconfigure (shrink and grow) needs 2 CUDA devices",
-            ),
-        ),
-    ],
-)
+@on_cpu_and_cuda("NCCL's reconfigure (shrink and grow) needs 2 CUDA devices")
 def test_a_reconfigured_group_takes_a_replacement_under_a_wrapped_model(
     tmp_path: Path, device: str
 ) -> None:

@@ -57,9 +57,10 @@ class LaunchEnv:
         role = need("FLASHRECOVERY_ROLE")
         if role not in ("rank", "spare"):
             raise LaunchError(f"FLASHRECOVERY_ROLE={role!r}: expected 'rank' or 'spare'")
-        if env.get(GROUP_REBUILD, "fresh") not in GROUP_REBUILDS:
+        group_rebuild = env.get(GROUP_REBUILD, "fresh")
+        if group_rebuild not in GROUP_REBUILDS:
             raise LaunchError(
-                f"{GROUP_REBUILD}={env[GROUP_REBUILD]!r}: expected one of {GROUP_REBUILDS}"
+                f"{GROUP_REBUILD}={group_rebuild!r}: expected one of {GROUP_REBUILDS}"
             )
         try:
             return cls(
@@ -85,7 +86,7 @@ class LaunchEnv:
                 checkpoint_dir=Path(env[CHECKPOINT_DIR]) if env.get(CHECKPOINT_DIR) else None,
                 checkpoint_every=int(env.get(CHECKPOINT_EVERY, "0")),
                 agent_link=need("FLASHRECOVERY_AGENT_LINK"),
-                group_rebuild=env.get(GROUP_REBUILD, "fresh"),
+                group_rebuild=group_rebuild,
             )
         except ValueError as exc:
             raise LaunchError(f"bad launch environment: {exc}") from None

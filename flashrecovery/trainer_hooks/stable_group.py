@@ -175,18 +175,18 @@ class Reconfigurable:
         if not self.backend.supports_reconfigure:
             raise RuntimeError(f"{type(self.backend).__name__} cannot be reconfigured here")
 
-    def reconfigure(
-        self, rendezvous: groups.Rendezvous, uuid: int, superseded: Callable[[], bool]
-    ) -> None:
+    def reconfigure(self, handles: dist.Store, uuid: int, superseded: Callable[[], bool]) -> None:
         """Every member's call for the generation (each with its handle, exchanged under
-        ``rendezvous``); raises if one fails. A member lost after it gave its handle leaves
-        the others waiting in the backend's reconfigure for as long as its timeout: that wait
-        runs in a thread of its own, given up on as soon as ``superseded()`` holds (the backend
-        is then dropped with the thread, which ends at the timeout)."""
+        ``handles`` by waits a newer generation cuts short); raises if one fails. A member lost
+        after it gave its handle leaves the others waiting in the backend's reconfigure for as
+        long as its timeout: that wait runs in a thread of its own, given up on as soon as
+        ``superseded()`` holds (the backend is then dropped with the thread, which ends at the
+        timeout)."""
+        rendezvous = groups.Rendezvous(handles, superseded, "a group's reconfigure")
         rendezvous.set(str(self.rank), self.backend.get_reconfigure_handle())
-        handles = [rendezvous.get(str(peer)).decode() for peer in range(self.size)]
+        everyone = [rendezvous.get(str(peer)).decode() for peer in range(self.size)]
         options = ReconfigureOptions()
-        options.uuid, options.handles, options.timeout = uuid, handles, COLLECTIVE_TIMEOUT
+        options.uuid, options.handles, options.timeout = uuid, everyone, COLLECTIVE_TIMEOUT
         failed: list[Exception] = []  # raised here: a peer's loss (RuntimeError) or a bug
         done = threading.Event()
 
@@ -303,9 +303,7 @@ class StableGroup(dist.ProcessGroup):
         # The same on every member, never the same for two groups or generations.
         digest = hashlib.sha256(f"{self._name}/{generation}".encode()).digest()
         self._reconfigurable.reconfigure(
-            groups.Rendezvous(handles, self._superseded, f"group {self._name}'s reconfigure"),
-            int.from_bytes(digest[:7], "big"),
-            self._superseded,
+            handles, int.from_bytes(digest[:7], "big"), self._superseded
         )
         return self._reconfigurable
 
