@@ -5,20 +5,19 @@ from __future__ import annotations
 import pytest
 
 from flashrecovery.engine import planner
-from flashrecovery.engine.state import EngineState, RankView
+from flashrecovery.engine.state import MAX_STRIPES, EngineState, RankView
 from flashrecovery.statemachines.rank import RankMachine
 
 
 def regrouped(
-    shards: int, steps: dict[int, int | None], lost: frozenset[int] | set[int] = frozenset()
+    shards: int, steps: dict[int, int], lost: frozenset[int] | set[int] = frozenset()
 ) -> EngineState:
-    """Ranks regrouped at ``steps`` (None: not yet), shard = rank % shards; ``lost`` replaced."""
+    """Ranks regrouped at ``steps``, shard = rank % shards; ``lost`` replaced."""
     state = EngineState(job_id="plan")
-    for rank, step in steps.items():
-        state.ranks[rank] = RankView(
-            RankMachine(f"rank:{rank}"), shard=rank % shards, regrouped_step=step
-        )
     state.needs_state |= lost
+    for rank, step in steps.items():
+        state.ranks[rank] = RankView(RankMachine(f"rank:{rank}"), shard=rank % shards)
+        state.regroups.report(rank, step, rank % shards, rank not in lost)
     return state
 
 
@@ -34,7 +33,7 @@ def test_one_survivor_sends_alone_and_records_no_stripes() -> None:
 
 def test_each_shard_stripes_across_its_own_replicas() -> None:
     """HSDP 3 replicas x 2 shards: rank 2 (shard 0) lost, shard 0 has ranks 0 and 4 left."""
-    steps: dict[int, int | None] = {r: 5 for r in range(6)}
+    steps: dict[int, int] = {r: 5 for r in range(6)}
     steps[2] = -1
     plan = planner.plan_resume(regrouped(2, steps, lost={2}))
     assert plan == planner.ResumePlan(5, {0: 0, 1: 1}, [2], {0: [0, 4], 1: [1, 3, 5]})
@@ -48,15 +47,15 @@ def test_only_survivors_at_the_resume_step_donate() -> None:
 
 
 def test_stripes_are_capped() -> None:
-    world = planner.MAX_STRIPES + 3
+    world = MAX_STRIPES + 3
     plan = planner.plan_resume(regrouped(1, {r: 4 if r else -1 for r in range(world)}, {0}))
     assert isinstance(plan, planner.ResumePlan)
-    assert plan.stripes == {0: list(range(1, planner.MAX_STRIPES + 1))}
+    assert plan.stripes == {0: list(range(1, MAX_STRIPES + 1))}
 
 
 @pytest.mark.parametrize("lost", [{0, 2}, {0, 1, 2, 3}])
 def test_a_shard_without_a_replica_has_no_donor(lost: set[int]) -> None:
-    steps: dict[int, int | None] = {r: (-1 if r in lost else 3) for r in range(4)}
+    steps: dict[int, int] = {r: (-1 if r in lost else 3) for r in range(4)}
     assert planner.plan_resume(regrouped(2, steps, lost)) == planner.NoReplica(
         [0] if lost == {0, 2} else [0, 1]
     )

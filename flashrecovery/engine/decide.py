@@ -116,16 +116,11 @@ def _job_started(ctx: Context, record: JobStarted) -> None:
     if state.config is not None:
         raise Rejected("the job has already started")
     state.config = record
-    state.ranks = {
-        r: RankView(
-            RankMachine(f"rank:{r}", census=state.rank_census),
-            node=r // record.nproc_per_node,  # laid out node by node
-        )
-        for r in range(record.world_size)
-    }
-    for rank in state.ranks:
-        state.set_committed(rank, -1)
-        state.watch_from(rank, None, record.ts + record.startup_grace_s)
+    for r in range(record.world_size):
+        state.ranks[r] = RankView(RankMachine(f"rank:{r}", census=state.rank_census))
+        state.set_node(r, r // record.nproc_per_node)  # laid out node by node
+        state.set_committed(r, -1)
+        state.watch_from(r, None, record.ts + record.startup_grace_s)
 
 
 def _rank_joined(ctx: Context, record: RankJoined) -> None:
@@ -360,9 +355,10 @@ def _rank_regrouped(ctx: Context, record: RankRegrouped) -> None:
             f"committed past {held}"
         )
     view.untried_spare = False  # it runs as the rank now: its failures are the rank's
-    if view.regrouped_step is None:
+    if record.rank not in state.regroups.reports:
         state.awaiting_regroup -= 1
-    view.regrouped_step = record.committed_step
+    survivor = record.rank not in state.needs_state
+    state.regroups.report(record.rank, record.committed_step, record.shard, survivor)
     view.shard = record.shard
     if state.resume_planned or state.awaiting_regroup > 0:
         return

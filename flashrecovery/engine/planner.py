@@ -8,9 +8,6 @@ from dataclasses import dataclass
 from flashrecovery.engine.state import EngineState
 
 FRESH_SPARE_INTERVALS = 2.0  # a spare not heard from for this many heartbeats is not handed a rank
-# Donors that share one shard's transfer at most: past a few, the recipient's own link bounds
-# the restore, and each more donor only adds its messages' latency (docs/protocol.md).
-MAX_STRIPES = 4
 
 
 def choose_spares(state: EngineState, count: int, now: float) -> list[int]:
@@ -48,32 +45,21 @@ class NoReplica:
 
 def plan_resume(state: EngineState) -> ResumePlan | NoReplica:
     """Resume after the highest step the survivors committed; each shard's donors are its
-    lowest survivors at that step (up to MAX_STRIPES, each sends a stripe, the lowest leads);
-    replaced ranks and any member behind receive state."""
-    survivors = {
-        rank: view
-        for rank, view in state.ranks.items()
-        if rank not in state.needs_state and view.regrouped_step is not None
+    lowest survivors at that step (up to state.MAX_STRIPES, each sends a stripe, the lowest leads);
+    replaced ranks and any member behind receive state. Read from the regroup reports' tally:
+    O(shards + recipients), whatever the size of the world."""
+    tally = state.regroups
+    shards = sorted(tally.shards)
+    resume_step = tally.top()
+    stripes = {
+        shard: list(tally.lowest[(resume_step, shard)])
+        for shard in shards
+        if tally.lowest.get((resume_step, shard))
     }
-    shards = sorted({view.shard for view in state.ranks.values()})
-    resume_step = max(
-        (v.regrouped_step for v in survivors.values() if v.regrouped_step is not None), default=-1
-    )
-    stripes: dict[int, list[int]] = {}
-    for shard in shards:
-        holders = sorted(
-            r for r, v in survivors.items() if v.shard == shard and v.regrouped_step == resume_step
-        )
-        if holders:
-            stripes[shard] = holders[:MAX_STRIPES]
     missing = [s for s in shards if s not in stripes]
-    if missing or not survivors:
+    if missing or not tally.holders:
         return NoReplica(missing or shards)
-    recipients = sorted(
-        rank
-        for rank, view in state.ranks.items()
-        if rank in state.needs_state or view.regrouped_step != resume_step
-    )
+    recipients = sorted(state.needs_state | tally.behind(resume_step))
     donors = {shard: ranks[0] for shard, ranks in stripes.items()}
     striped = {shard: ranks for shard, ranks in stripes.items() if len(ranks) > 1}
     return ResumePlan(resume_step, donors, recipients, striped)

@@ -50,7 +50,7 @@ def fail_node(ctx: Context, node: int, failure_ts: float, reason: str) -> None:
     for spare in state.spares.values():
         if spare.node == node and spare.status == SpareStatus.READY:
             spare.status = SpareStatus.GONE
-    held = sorted(r for r, v in state.ranks.items() if v.node == node)
+    held = sorted(state.node_ranks.get(node, ()))
     ctx.emit(IsolateNode, node=node, pid=view.pid, ranks=held, reason=reason)
     # A rank already isolated whose replacement was to come from this node needs another.
     for rank in held:
@@ -111,14 +111,7 @@ def fail_ranks(
         state.needs_state.add(rank)
     state.resume_planned = False
     state.resume_step = None
-    state.awaiting_regroup = len(state.ranks)
-    for r, member in state.ranks.items():
-        member.regrouped_step = None
-        state.set_waiting(r, False)
-        if member.machine.state in ALIVE and member.machine.state != RankState.PAUSED:
-            ctx.fire(member.machine, Trigger.PAUSE)
-            # silence is timed from the regroup on
-            state.watch_from(r, ctx.record.ts, member.grace_until_ts)
+    state.pause_members(ctx.stamp)  # silence is timed from the regroup on
     for open_incident in state.open_incidents():
         open_incident.generation = state.generation
     ctx.emit(
@@ -248,7 +241,7 @@ def replace_rank(ctx: Context, rank: int, incident_id: str, spare_id: int | None
         )
         spare.status = SpareStatus.ASSIGNED
         state.set_pid(rank, spare.pid)
-        view.node = spare.node
+        state.set_node(rank, spare.node)
         view.untried_spare = True
         return True
     state.set_pid(rank, None)
@@ -328,12 +321,7 @@ def plan_resume(ctx: Context) -> None:
     for incident in state.open_incidents():
         incident.resume_step = plan.resume_step
     ctx.fire(state.job, Trigger.BEGIN_RESTORE)
-    for rank, member in state.ranks.items():
-        ctx.fire(member.machine, Trigger.BEGIN_RESTORE)
-        if rank not in plan.recipients:
-            ctx.fire(member.machine, Trigger.END_RESTORE)
-            state.watch_from(rank, ctx.record.ts, member.grace_until_ts)
-            state.set_committed(rank, plan.resume_step)
+    state.resume_members(ctx.stamp, plan.resume_step, plan.recipients)
     maybe_restored(ctx)
 
 

@@ -2,24 +2,35 @@
 
 Nothing here reads a clock or the log: the decide step updates it record by record, so the same
 records always rebuild the same state (replay, engine restart, failover). Aggregates over the
-ranks (highest and lowest committed step, how many wait in commit()) are kept up to date as
-records arrive, so a heartbeat or a step costs the same whatever the size of the world.
+ranks (highest and lowest committed step, how many wait in commit(), who regrouped at which
+step) are kept up to date as records arrive, so a heartbeat or a step costs the same whatever
+the size of the world. What a recovery does to every member at once (pause them all for the new
+generation, resume all but the recipients of state) is a sweep: recorded once, counted in the
+aggregates at once, and applied to each rank the first time it is looked at afterwards, so a
+recovery's decisions cost O(ranks affected), not O(world).
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections import Counter, deque
+from collections.abc import Callable, ItemsView, Iterator, MutableMapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from flashrecovery.errors import IllegalTransition
 from flashrecovery.records import JobStarted
-from flashrecovery.statemachines.base import Stamp
+from flashrecovery.statemachines.base import Stamp, Trigger
 from flashrecovery.statemachines.incident import OPEN, IncidentMachine
 from flashrecovery.statemachines.job import JobMachine
-from flashrecovery.statemachines.rank import RankMachine
+from flashrecovery.statemachines.rank import ALIVE, RankMachine, RankState
 
 STEP_WINDOW = 256  # recent step durations (any rank) whose median times the stall window
+# Donors that share one shard's transfer at most: past a few, the recipient's own link bounds
+# the restore, and each more donor only adds its messages' latency (docs/protocol.md).
+MAX_STRIPES = 4
+PAUSABLE = [s for s in ALIVE if s != RankState.PAUSED]  # the members a new generation pauses
 
 
 @dataclass
@@ -38,7 +49,7 @@ class RankView:
     # before its first sign of life (heartbeat, join)
     waiting: bool = False  # inside commit(), waiting on peers, as its last heartbeat said
     last_step_ts: float | None = None
-    regrouped_step: int | None = None  # committed step reported for the current generation
+    swept: int = 0  # how many of the job's sweeps this view has been brought through
     # The process is a hot spare that has not regrouped as this rank yet: if it fails, that is
     # the spare's fault (it was stopped or died idle), not the rank's, and no crash loop.
     untried_spare: bool = False
@@ -116,8 +127,114 @@ class StepIndex:
     def top(self) -> int:
         return max(self.counts, default=-1)
 
+    def rebase(self, step: int, count: int, keep: list[int]) -> None:
+        """Every rank but ``keep`` now holds ``step`` (``count`` of them): counted at once; their
+        entries in ``steps`` are written as each is next looked at (EngineState._settle)."""
+        self.counts = Counter(self.steps[r] for r in keep if r in self.steps)
+        if count:
+            self.counts[step] += count
+
     def floor(self) -> int:
         return min(self.counts, default=-1)
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """A move of every member at once. ``resume_step`` None: a generation was planned and every
+    member pauses; otherwise the resume plan: every member but ``recipients`` holds that step's
+    state and resumes."""
+
+    stamp: Stamp
+    resume_step: int | None = None
+    recipients: frozenset[int] = frozenset()
+
+
+class RankTable(MutableMapping[int, RankView]):
+    """The world's ranks by id. Looking a rank up first brings it through the sweeps made since
+    it was last looked at, so every reader sees each rank as if the sweep had moved it at once."""
+
+    def __init__(self, sweeps: list[Sweep], settle: Callable[[int, RankView], None]) -> None:
+        self._views: dict[int, RankView] = {}
+        self._sweeps, self._settle = sweeps, settle
+
+    def __getitem__(self, rank: int) -> RankView:
+        view = self._views[rank]
+        if view.swept < len(self._sweeps):
+            self._settle(rank, view)
+        return view
+
+    def __setitem__(self, rank: int, view: RankView) -> None:
+        view.swept = len(self._sweeps)  # a new view owes nothing to the sweeps before it
+        self._views[rank] = view
+
+    def __delitem__(self, rank: int) -> None:
+        del self._views[rank]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._views)
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    def __contains__(self, rank: object) -> bool:
+        return rank in self._views
+
+    def unsettled_items(self) -> ItemsView[int, RankView]:
+        """Views as they are, sweeps not applied: only for what a sweep can only delay."""
+        return self._views.items()
+
+
+@dataclass
+class RegroupTally:
+    """Who reported regrouped in the current generation, kept as the reports arrive, so that the
+    resume plan reads O(shards + recipients) instead of the world: every reporter's shard, the
+    survivors (members that held state) by the step they hold, and at each step each shard's
+    lowest MAX_STRIPES survivors (the donor candidates)."""
+
+    reports: dict[int, tuple[int, int, bool]] = field(default_factory=dict)  # rank -> (step,
+    # shard, survivor)
+    shards: Counter[int] = field(default_factory=Counter)
+    holders: dict[int, set[int]] = field(default_factory=dict)  # step -> survivors at it
+    by_shard: dict[tuple[int, int], set[int]] = field(default_factory=dict)  # (step, shard) ->
+    lowest: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # the same, lowest
+
+    def report(self, rank: int, step: int, shard: int, survivor: bool) -> None:
+        """A member's regroup report (a repeated one replaces the first)."""
+        if rank in self.reports:
+            self._withdraw(rank)
+        self.reports[rank] = (step, shard, survivor)
+        self.shards[shard] += 1
+        if not survivor:
+            return
+        self.holders.setdefault(step, set()).add(rank)
+        self.by_shard.setdefault((step, shard), set()).add(rank)
+        lowest = self.lowest.setdefault((step, shard), [])
+        if len(lowest) < MAX_STRIPES or rank < lowest[-1]:
+            bisect.insort(lowest, rank)
+            del lowest[MAX_STRIPES:]
+
+    def _withdraw(self, rank: int) -> None:
+        step, shard, survivor = self.reports.pop(rank)
+        self.shards[shard] -= 1
+        if not self.shards[shard]:
+            del self.shards[shard]
+        if not survivor:
+            return
+        self.holders[step].discard(rank)
+        if not self.holders[step]:
+            del self.holders[step]
+        members = self.by_shard[(step, shard)]
+        members.discard(rank)
+        if rank in self.lowest[(step, shard)]:
+            self.lowest[(step, shard)] = heapq.nsmallest(MAX_STRIPES, members)
+
+    def top(self) -> int:
+        """The highest step a survivor holds (-1: no survivor)."""
+        return max(self.holders, default=-1)
+
+    def behind(self, step: int) -> set[int]:
+        """Survivors holding another step than ``step``."""
+        return {r for held, ranks in self.holders.items() if held != step for r in ranks}
 
 
 @dataclass
@@ -126,7 +243,10 @@ class EngineState:
     config: JobStarted | None = None
     job: JobMachine = field(default_factory=lambda: JobMachine("job"))
     generation: int = 0
-    ranks: dict[int, RankView] = field(default_factory=dict)
+    sweeps: list[Sweep] = field(default_factory=list)
+    ranks: RankTable = field(init=False)
+    node_ranks: dict[int, set[int]] = field(default_factory=dict)  # node -> ranks it holds
+    regroups: RegroupTally = field(default_factory=RegroupTally)  # the current generation's
     spares: dict[int, SpareView] = field(default_factory=dict)
     nodes: dict[int, NodeView] = field(default_factory=dict)
     incidents: list[Incident] = field(default_factory=list)
@@ -155,6 +275,9 @@ class EngineState:
     awaiting_node: dict[int, str] = field(default_factory=dict)  # rank -> incident, no spare yet
     awaiting_node_since: float | None = None  # when the first of them began to wait
     checkpoint: tuple[int, str] | None = None  # the latest complete checkpoint: (step, path)
+
+    def __post_init__(self) -> None:
+        self.ranks = RankTable(self.sweeps, self._settle)
 
     @property
     def world_size(self) -> int:
@@ -202,22 +325,87 @@ class EngineState:
     def watch_from(self, rank: int, ts: float | None, grace_until: float | None) -> None:
         """Time the rank's silence from ``ts`` (None: from the job's start), not before
         ``grace_until`` ends."""
-        view = self.ranks[rank]
-        view.last_heartbeat_ts, view.grace_until_ts = ts, grace_until
-        heapq.heappush(self.silence_due, (self.silent_after(rank), rank))
+        self._watch(rank, self.ranks[rank], ts, grace_until)
+
+    def _watch(self, rank: int, view: RankView, ts: float | None, grace: float | None) -> None:
+        view.last_heartbeat_ts, view.grace_until_ts = ts, grace
+        heapq.heappush(self.silence_due, (self._due(view), rank))
         if len(self.silence_due) > 4 * len(self.ranks) + 64:  # nobody pops (replay): compact
-            self.silence_due = [(self.silent_after(r), r) for r in self.ranks]
+            # A view a sweep has not reached yet is due no later than it will be: when its
+            # entry surfaces, looking at it applies the sweep, which pushes the later time.
+            views = self.ranks.unsettled_items()
+            self.silence_due = [(self._due(v), r) for r, v in views]
             heapq.heapify(self.silence_due)
 
     def silent_after(self, rank: int) -> float:
         """When the rank's silence becomes a missed heartbeat, by what the records say now."""
+        return self._due(self.ranks[rank])
+
+    def _due(self, view: RankView) -> float:
         assert self.config is not None
-        view, config = self.ranks[rank], self.config
+        config = self.config
         last = view.last_heartbeat_ts if view.last_heartbeat_ts is not None else config.ts
-        limit = config.silence_limit_s
-        return max(last + limit, view.grace_until_ts or 0.0)
+        return max(last + config.silence_limit_s, view.grace_until_ts or 0.0)
 
     def set_waiting(self, rank: int, waiting: bool) -> None:
         view = self.ranks[rank]
         self.waiting += int(waiting) - int(view.waiting)
         view.waiting = waiting
+
+    def set_node(self, rank: int, node: int) -> None:
+        """Whose agent holds the rank's process from now on."""
+        view = self.ranks[rank]
+        self.node_ranks.get(view.node, set()).discard(rank)
+        view.node = node
+        self.node_ranks.setdefault(node, set()).add(rank)
+
+    def pause_members(self, stamp: Stamp) -> None:
+        """A new generation is planned: every member pauses (a running one is timed for silence
+        from now on), none waits in commit() and none has regrouped yet. O(1) here: the census
+        and counts move now, each rank when it is next looked at."""
+        census = self.rank_census
+        paused = sum(census[s] for s in PAUSABLE)
+        for s in PAUSABLE:
+            census[s] = 0
+        census[RankState.PAUSED] += paused
+        self.waiting = 0
+        self.awaiting_regroup = len(self.ranks)
+        self.regroups = RegroupTally()
+        self.sweeps.append(Sweep(stamp))
+
+    def resume_members(self, stamp: Stamp, step: int, recipients: list[int]) -> None:
+        """The resume plan: the recipients begin their restore now; every other member holds
+        ``step`` and resumes (timed for silence from now on), applied to each when next
+        looked at."""
+        census = self.rank_census
+        if census[RankState.PAUSED] != len(self.ranks):
+            raise IllegalTransition(
+                f"{len(self.ranks) - census[RankState.PAUSED]} member(s) not paused at the "
+                f"resume plan (record {stamp.cause} at position {stamp.position})"
+            )
+        for rank in recipients:
+            self.ranks[rank].machine.fire(Trigger.BEGIN_RESTORE, stamp)
+        others = len(self.ranks) - len(recipients)
+        census[RankState.PAUSED] -= others
+        census[RankState.HEALTHY] += others
+        self.committed.rebase(step, others, keep=recipients)
+        self.sweeps.append(Sweep(stamp, step, frozenset(recipients)))
+
+    def _settle(self, rank: int, view: RankView) -> None:
+        """Bring a rank through the sweeps made since it was last looked at: the moves (with
+        the sweep's stamp), the silence watch and the step each would have given it at once;
+        the census and counts already hold them."""
+        while view.swept < len(self.sweeps):
+            sweep = self.sweeps[view.swept]
+            view.swept += 1
+            machine = view.machine
+            if sweep.resume_step is None:
+                view.waiting = False
+                if machine.state in PAUSABLE:
+                    machine.fire(Trigger.PAUSE, sweep.stamp, counted=False)
+                    self._watch(rank, view, sweep.stamp.ts, view.grace_until_ts)
+            elif rank not in sweep.recipients:
+                machine.fire(Trigger.BEGIN_RESTORE, sweep.stamp, counted=False)
+                machine.fire(Trigger.END_RESTORE, sweep.stamp, counted=False)
+                self._watch(rank, view, sweep.stamp.ts, view.grace_until_ts)
+                view.committed_step = self.committed.steps[rank] = sweep.resume_step

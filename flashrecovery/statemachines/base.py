@@ -120,14 +120,16 @@ class StateMachine:
         if self.census is not None:
             self.census[self.state] += 1
 
-    def fire(self, trigger: Trigger, stamp: Stamp) -> None:
-        """Apply a trigger; raise IllegalTransition when the current state does not allow it."""
+    def fire(self, trigger: Trigger, stamp: Stamp, *, counted: bool = True) -> None:
+        """Apply a trigger; raise IllegalTransition when the current state does not allow it.
+        ``counted=False``: the census already counts this move (made for a whole population
+        at once, see EngineState.sweep_pause)."""
         source = self.state
         dest = self._moves.get((source, str(trigger)))
         if dest is None:
             raise IllegalTransition(self.name, trigger, source, stamp)
         self.state = dest
-        if self.census is not None:
+        if self.census is not None and counted:
             self.census[source] -= 1
             self.census[dest] += 1
         self.history.append(Step(trigger, source, dest, stamp))
