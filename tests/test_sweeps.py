@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from simworld import SimulatedWorld
 from test_decide_fuzz import FUZZ, RANDOM_RECORDS, SCRIPT
 
+from flashrecovery.engine import detectors
 from flashrecovery.engine.decide import decide
 from flashrecovery.engine.state import EngineState
 from flashrecovery.records import Decision, Envelope
@@ -106,3 +107,42 @@ def test_starting_and_restoring_a_recovery_leaves_the_other_members_alone() -> N
     assert state.rank_census["healthy"] == world_size
     assert {v.machine.state for v in state.ranks.values()} == {"healthy"}
     assert_aggregates_agree(state)
+
+
+def test_a_member_silent_through_the_regroup_is_missed_when_an_eager_engine_would() -> None:
+    """Rank 5 never answers the plan (stopped): its heartbeat before the plan would make it
+    due early, but the plan restarts its silence watch, so it is missed a silence limit after
+    the plan, not before, by the lazy engine as by one that looked at every rank at once."""
+    world = SimulatedWorld(JOB, world_size=8, spares=1)
+    lazy, eager = EngineState(JOB), EngineState(JOB)
+    position = 0
+
+    def feed(records: list[Envelope]) -> list[Decision]:
+        nonlocal position
+        out: list[Decision] = []
+        for record in records:
+            decided = decide(lazy, position, record)
+            assert decide(eager, position, record) == decided
+            dict(eager.ranks.items())  # the eager engine looks at every rank after each record
+            out += decided
+            position += 1
+        return out
+
+    feed(world.start())
+    feed(list(world.train(2)))
+    world.clock = round(world.clock + 2.0, 6)  # rank 5's last beat is now well in the past
+    planned = feed([world.kill(3)])
+    plan_ts = world.clock
+    answers = [a for d in planned for a in world.react(d)]
+    feed([a for a in answers if getattr(a, "rank", None) != 5])
+    assert lazy.config is not None
+    limit = lazy.config.silence_limit_s
+
+    def missed(state: EngineState, now: float) -> list[tuple[int, float]]:
+        return [(f.rank, f.last_seen_ts) for f in detectors.silent_ranks(state, now)]
+
+    early, due = plan_ts + limit - 0.01, plan_ts + limit + 0.01
+    assert missed(lazy, early) == missed(eager, early) == []
+    found = missed(lazy, due)
+    assert found == missed(eager, due)
+    assert (5, plan_ts) in found  # timed from the plan, not from its last beat
