@@ -454,7 +454,7 @@ def render(configs: list[dict[str, Any]], skipped: dict[str, str], console: Cons
     columns += ["ms/step, next spare starting"]
     console.print(table("SIGKILL → every rank committed a new step", columns, rows))
     for system, reason in skipped.items():
-        console.print(f"{system}: skipped, {reason}")
+        console.print(f"{system}: skipped, {reason}", markup=False)
     labels, medians = [], []
     for config in configs:
         for s in config["systems"]:

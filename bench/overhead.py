@@ -46,6 +46,7 @@ from harness import RESULTS, job_spec, machine, table, write_json
 from matplotlib import pyplot as plt
 from overhead_rank import MODELS, plain_rank, read_times
 from rich.console import Console
+from rich.markup import escape
 
 from flashrecovery.demo.job import LaunchedJob
 
@@ -289,7 +290,8 @@ def main() -> None:
                                 run(name, model, world, args.steps, out, args.timeout, repeat)
                             )
                         except (RuntimeError, TimeoutError) as exc:  # say so, measure the rest
-                            console.print(f"[red]{name} run {repeat} failed:[/red] {exc}")
+                            why = escape(str(exc))
+                            console.print(f"[red]{name} run {repeat} failed:[/red] {why}")
                             failed.append({"side": name, "repeat": repeat, "error": str(exc)})
                 runs.sort(key=lambda r: args.sides.index(r["side"]))  # stable: repeat order
                 results.append(
