@@ -129,15 +129,24 @@ def test_random_records_after_a_start_never_crash(records: list[Envelope]) -> No
     assert all(decisions == [] for decisions in outcome.decisions[: len(START)])
 
 
-@given(st.lists(st.tuples(st.integers(0, len(SCRIPT)), RANDOM_RECORDS), max_size=12))
+# Random records, each to go in at a position of the recovery script.
+SPLICES = st.lists(st.tuples(st.integers(0, len(SCRIPT)), RANDOM_RECORDS), max_size=12)
+
+
+def spliced(insertions: list[tuple[int, Envelope]]) -> list[Envelope]:
+    """The recovery script with ``insertions`` (from SPLICES) put in."""
+    records = list(SCRIPT)
+    for index, record in sorted(insertions, key=lambda pair: -pair[0]):
+        records.insert(index, record)
+    return records
+
+
+@given(SPLICES)
 @FUZZ
 def test_random_records_spliced_into_a_recovery_never_crash(
     insertions: list[tuple[int, Envelope]],
 ) -> None:
-    records = list(SCRIPT)
-    for index, record in sorted(insertions, key=lambda pair: -pair[0]):
-        records.insert(index, record)
-    assert_deterministic(records)
+    assert_deterministic(spliced(insertions))
 
 
 def test_the_unspoilt_script_recovers_twice_without_rejections() -> None:

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from collections import Counter
 
+from factories import feed
 from hypothesis import given
-from hypothesis import strategies as st
 from simworld import SimulatedWorld
-from test_decide_fuzz import FUZZ, RANDOM_RECORDS, SCRIPT
+from test_decide_fuzz import FUZZ, SCRIPT, SPLICES, spliced
 
 from flashrecovery.engine import detectors
 from flashrecovery.engine.decide import decide
@@ -37,11 +37,28 @@ def histories(state: EngineState) -> dict[int, list[tuple[str, str, int]]]:
     }
 
 
+class LazyAndEager:
+    """Two engines fed the same records: one lazy, one that looks at every rank after each
+    record (so every sweep reaches every rank at once); each record must decide alike."""
+
+    def __init__(self) -> None:
+        self.lazy, self.eager, self.position = EngineState(JOB), EngineState(JOB), 0
+
+    def feed(self, records: list[Envelope]) -> list[Decision]:
+        out: list[Decision] = []
+        for record in records:
+            decided = decide(self.lazy, self.position, record)
+            assert decide(self.eager, self.position, record) == decided, record
+            assert_aggregates_agree(self.eager)
+            out += decided
+            self.position += 1
+        return out
+
+
 def lazy_and_eager(records: list[Envelope]) -> None:
-    lazy, eager = EngineState(JOB), EngineState(JOB)
-    for position, record in enumerate(records):
-        assert decide(lazy, position, record) == decide(eager, position, record), record
-        assert_aggregates_agree(eager)
+    engines = LazyAndEager()
+    engines.feed(records)
+    lazy, eager = engines.lazy, engines.eager
     assert histories(lazy) == histories(eager)
     assert (lazy.rejected, lazy.fenced, lazy.engine_faults) == (
         eager.rejected,
@@ -54,15 +71,12 @@ def test_the_recovery_script_is_decided_alike_lazily_and_eagerly() -> None:
     lazy_and_eager(SCRIPT)
 
 
-@given(st.lists(st.tuples(st.integers(0, len(SCRIPT)), RANDOM_RECORDS), max_size=12))
+@given(SPLICES)
 @FUZZ
 def test_random_records_spliced_into_a_recovery_are_decided_alike(
     insertions: list[tuple[int, Envelope]],
 ) -> None:
-    records = list(SCRIPT)
-    for index, record in sorted(insertions, key=lambda pair: -pair[0]):
-        records.insert(index, record)
-    lazy_and_eager(records)
+    lazy_and_eager(spliced(insertions))
 
 
 def untouched(state: EngineState) -> int:
@@ -78,18 +92,16 @@ def test_starting_and_restoring_a_recovery_leaves_the_other_members_alone() -> N
     world = SimulatedWorld(JOB, world_size=world_size, spares=1)
     state, position = EngineState(JOB), 0
 
-    def feed(records: list[Envelope]) -> list[Decision]:
+    def step(records: list[Envelope]) -> list[Decision]:
         nonlocal position
-        out: list[Decision] = []
-        for record in records:
-            out += decide(state, position, record)
-            position += 1
+        decisions = feed(state, records, position)
+        position += len(records)
         assert not state.rejected and not state.engine_faults
-        return out
+        return decisions
 
-    feed(world.start())
-    feed(list(world.train(2)))
-    planned = feed([world.kill(world_size // 2)])
+    step(world.start())
+    step(list(world.train(2)))
+    planned = step([world.kill(world_size // 2)])
     assert [d.type for d in planned][-1] == "regroup_planned"
     assert untouched(state) >= world_size - 2  # the killed rank (and its replacement's) only
     assert state.rank_census["paused"] == world_size - 1
@@ -97,7 +109,7 @@ def test_starting_and_restoring_a_recovery_leaves_the_other_members_alone() -> N
     pending = [a for d in planned for a in world.react(d)]
     resumed: list[Decision] = []
     while pending:  # every member regroups, the last report brings the resume plan, restore
-        decisions = feed(pending)
+        decisions = step(pending)
         resumed += decisions
         pending = [a for d in decisions for a in world.react(d)]
     plan = next(d for d in resumed if d.type == "resume_planned")
@@ -114,27 +126,15 @@ def test_a_member_silent_through_the_regroup_is_missed_when_an_eager_engine_woul
     due early, but the plan restarts its silence watch, so it is missed a silence limit after
     the plan, not before, by the lazy engine as by one that looked at every rank at once."""
     world = SimulatedWorld(JOB, world_size=8, spares=1)
-    lazy, eager = EngineState(JOB), EngineState(JOB)
-    position = 0
-
-    def feed(records: list[Envelope]) -> list[Decision]:
-        nonlocal position
-        out: list[Decision] = []
-        for record in records:
-            decided = decide(lazy, position, record)
-            assert decide(eager, position, record) == decided
-            dict(eager.ranks.items())  # the eager engine looks at every rank after each record
-            out += decided
-            position += 1
-        return out
-
-    feed(world.start())
-    feed(list(world.train(2)))
+    engines = LazyAndEager()
+    lazy, eager = engines.lazy, engines.eager
+    engines.feed(world.start())
+    engines.feed(list(world.train(2)))
     world.clock = round(world.clock + 2.0, 6)  # rank 5's last beat is now well in the past
-    planned = feed([world.kill(3)])
+    planned = engines.feed([world.kill(3)])
     plan_ts = world.clock
     answers = [a for d in planned for a in world.react(d)]
-    feed([a for a in answers if getattr(a, "rank", None) != 5])
+    engines.feed([a for a in answers if getattr(a, "rank", None) != 5])
     assert lazy.config is not None
     limit = lazy.config.silence_limit_s
 
