@@ -75,3 +75,46 @@ def test_a_wait_that_ends_returns_and_leaves_nothing_behind() -> None:
     other.wait()
     assert torch.equal(tensors[0][0], torch.full((4,), 3.0))
     assert inflight._left_behind == []
+
+
+@pytest.mark.parametrize("planned_first", [False, True])
+def test_a_collective_future_fails_when_poked_about_a_newer_plan_not_by_polling(
+    planned_first: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DDP's reducer waits on the future: the watcher's own look is a minute away here, so only
+    the poke (or, for a plan that came first, the look at hand-out) can fail it in time."""
+    monkeypatch.setattr(inflight, "IDLE_LOOK_S", 60.0)
+    monkeypatch.setattr(inflight, "_watcher", inflight._Watcher())
+    waiting, stuck = two_groups()
+    planned = threading.Event()
+    if planned_first:
+        planned.set()
+    work = waiting.allreduce([torch.ones(4)])
+    future = inflight.future(work, waiting, planned.is_set)  # the peer never joins the sum
+    started = time.monotonic()
+    if not planned_first:
+        assert not future.done()
+        planned.set()
+        inflight.poke()
+    with pytest.raises(Superseded):
+        future.wait()
+    assert time.monotonic() - started < 5, "the future outlived the newer plan"
+    [(group, ended)] = inflight._left_behind
+    assert group is waiting
+    stuck.allreduce([torch.ones(4)]).wait()  # the peer comes back: the collective ends
+    work.wait()
+    assert ended.wait(5)
+    inflight.release_finished()
+    assert inflight._left_behind == []
+
+
+def test_a_collective_future_that_ends_lets_go_of_its_group() -> None:
+    """The watcher holds a pending collective (and so its group) only while it is in flight: a
+    group held until the interpreter's teardown aborted a rank at exit ("terminate called
+    without an active exception")."""
+    left, right = two_groups()
+    other = right.allreduce([torch.ones(4)])
+    future = inflight.future(left.allreduce([torch.ones(4)]), left, lambda: False)
+    other.wait()
+    future.wait()
+    assert inflight._watcher._pending == []

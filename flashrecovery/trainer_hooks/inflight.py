@@ -11,7 +11,8 @@ flight waits for that work, which would hold the training thread in the old gene
 
 A wait in Python (the hook's all-reduce, FSDP2's ``work.wait()``) polls for the plan itself
 (``wait``); DDP's reducer waits on a collective's future inside torch, so ``future`` hands out
-one that a watcher thread fails with ``Superseded`` once a newer generation is planned.
+one that a watcher thread fails with ``Superseded`` once told that a newer generation is
+planned (``poke``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import torch.distributed as dist
 
 from flashrecovery.errors import Superseded
 
-POLL_S = 0.1  # how soon a newer generation's plan ends the wait
+POLL_S = 0.1  # how soon a newer generation's plan ends a wait in Python
+IDLE_LOOK_S = 1.0  # the watcher's own look, should a plan come without a poke
 
 # (group, set once its work still in flight ends): gloo leaves some works incomplete for
 # ``is_completed()`` even after they ended (a reduce-scatter's)
@@ -57,6 +59,7 @@ class _Pending:
     def settle(self, source: torch.futures.Future[Any]) -> None:
         """The work ended: pass on its value or its error."""
         self.ended.set()
+        _watcher.forget(self)  # its group is not held on to past its work
         if not self._claim():
             return
         try:
@@ -73,36 +76,48 @@ class _Pending:
 
 class _Watcher:
     """One thread per process that gives up on the pending collectives of a superseded
-    generation; it only polls while some collective is pending."""
+    generation. It sleeps until ``poke()`` says a newer generation is planned (a wake-up per
+    collective, DDP's buckets included, cost the training thread a context switch and the GIL
+    on every bucket; bench/overhead.py), and looks on its own only every ``IDLE_LOOK_S``."""
 
     def __init__(self) -> None:
         self._pending: list[_Pending] = []
         self._changed = threading.Condition()
+        self._poked = False
         self._thread: threading.Thread | None = None
 
     def watch(self, pending: _Pending) -> None:
         with self._changed:
             self._pending.append(pending)
+            if pending.ended.is_set():  # it ended meanwhile, and settle() found nothing to forget
+                self._pending.remove(pending)
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="flashrecovery-inflight", daemon=True
                 )
                 self._thread.start()
+        # After the append: a plan that came before it is seen here, one after it by the watcher.
+        if pending.superseded():
+            pending.give_up()
+
+    def forget(self, pending: _Pending) -> None:
+        with self._changed, contextlib.suppress(ValueError):  # not watched: it ended at once
+            self._pending.remove(pending)
+
+    def poke(self) -> None:
+        with self._changed:
+            self._poked = True
             self._changed.notify()
 
     def _run(self) -> None:
         while True:
             with self._changed:
-                self._pending = [p for p in self._pending if not p.done]
-                if not self._pending:
-                    self._changed.wait()
-                    continue
+                self._changed.wait_for(lambda: self._poked, IDLE_LOOK_S)
+                self._poked = False
                 pending = list(self._pending)
             for entry in pending:
                 if not entry.done and entry.superseded():
                     entry.give_up()
-            with self._changed:
-                self._changed.wait(POLL_S)
 
 
 _watcher = _Watcher()
@@ -119,6 +134,11 @@ def future(
     if not pending.done:
         _watcher.watch(pending)
     return pending.future
+
+
+def poke() -> None:
+    """A newer generation was planned: the collectives it leaves behind give up now."""
+    _watcher.poke()
 
 
 def wait(work: dist.Work, group: object, superseded: Callable[[], bool]) -> None:

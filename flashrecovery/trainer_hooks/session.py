@@ -452,6 +452,7 @@ class Session:
         return self._follower.latest_generation > self._generation
 
     def _on_regroup(self, generation: int) -> None:
+        inflight.poke()  # DDP's collectives of an older generation give up now
         with self._release_lock:
             if self._release is not None and self._release[0] < generation:
                 self._release[1](self._closer_store)
