@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import select
 import sqlite3
 import threading
 from multiprocessing.synchronize import Barrier
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from flashrecovery.chain import verify as verify_chains
-from flashrecovery.connectors import embedded, open_log
+from flashrecovery.connectors import commit_signal, embedded, open_log
 from flashrecovery.connectors.embedded import EmbeddedLog
 from flashrecovery.errors import LogError
 from flashrecovery.records import Heartbeat, IsolateRank, Stream
@@ -169,32 +170,115 @@ def test_a_group_commit_that_fails_is_reported_lost_and_its_writers_chain_restar
     assert verify_chains({Stream.EVENTS: entries}).ok
 
 
-def test_a_decisions_follower_wakes_on_this_process_commit_without_polling(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Polls a minute apart: only the in-process wake-up can end the follow well inside them.
-    The writer is another handle on the file (the agent's engine and its relay are two), and a
-    commit to the events stream first does not end the wait."""
+def _isolate(caused_by: int) -> IsolateRank:
+    return IsolateRank(job_id="job", generation=0, source="engine", caused_by=caused_by, rank=0,
+                       reason="test")  # fmt: skip
+
+
+def _append_then_decide(url: str, start: int) -> None:
+    """Another process's writer (spawned: module level): an event, then a decision."""
+    with open_log(url) as log:
+        log.append(Stream.EVENTS, heartbeat(1))
+        log.append(Stream.DECISIONS, _isolate(start))
+
+
+@pytest.fixture
+def no_polling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every look of a follower's own a minute apart: only a ring can end a follow in time."""
     monkeypatch.setattr(embedded, "FIRST_POLL_S", 60.0)
     monkeypatch.setattr(embedded, "MAX_POLL_S", 60.0)
+    monkeypatch.setattr(embedded, "SIGNAL_LOOK_S", 60.0)
+
+
+def _following(log: EmbeddedLog, stream: Stream, got: list[object]) -> threading.Thread:
+    """A thread following ``stream`` from the start, once it has looked and begun to wait; it
+    puts in ``got`` the positions it found, or its LogError's message."""
+    looked = threading.Event()
+    original = log._waiter
+
+    def waiter(stream: Stream) -> commit_signal.Waiter | None:
+        found = original(stream)
+        looked.set()
+        return found
+
+    log._waiter = waiter  # type: ignore[method-assign]
+
+    def follow() -> None:
+        try:
+            entries = log.follow(stream, "job", 0, timeout=120.0)
+        except LogError as exc:
+            got.append(str(exc))
+        else:
+            got.append([entry.position for entry in entries])
+
+    thread = threading.Thread(target=follow, daemon=True)
+    thread.start()
+    assert looked.wait(10.0)
+    return thread
+
+
+@pytest.mark.parametrize("writer", ["this process", "another process"])
+@pytest.mark.usefixtures("no_polling")
+def test_a_follower_wakes_on_a_commit_to_its_stream_without_polling(
+    tmp_path: Path, writer: str
+) -> None:
+    """The agent's engine and its decisions relay are two handles in one process; an external
+    engine, another agent on the host or ``flashrecovery`` tools write from other processes."""
     url = f"sqlite:///{tmp_path / 'run.db'}"
     with EmbeddedLog.from_url(url) as follower_log, EmbeddedLog.from_url(url) as writer_log:
         start = writer_log.append(Stream.EVENTS, heartbeat(0))
-        waiting = threading.Event()
-        got: list[list[int]] = []
-
-        def follow() -> None:
-            waiting.set()
-            entries = follower_log.follow(Stream.DECISIONS, "job", 0, timeout=120.0)
-            got.append([entry.position for entry in entries])
-
-        thread = threading.Thread(target=follow, daemon=True)
-        thread.start()
-        assert waiting.wait(10.0)
-        writer_log.append(Stream.EVENTS, heartbeat(1))
-        isolate = IsolateRank(job_id="job", generation=0, source="engine", caused_by=start,
-                              rank=0, reason="test")  # fmt: skip
-        position = writer_log.append(Stream.DECISIONS, isolate)
+        got: list[object] = []
+        thread = _following(follower_log, Stream.DECISIONS, got)
+        if writer == "this process":
+            writer_log.append(Stream.EVENTS, heartbeat(1))
+            writer_log.append(Stream.DECISIONS, _isolate(start))
+        else:
+            process = multiprocessing.get_context("spawn").Process(
+                target=_append_then_decide, args=(url, start)
+            )
+            process.start()
+            process.join(60)
+            assert process.exitcode == 0
         thread.join(30.0)
-        assert not thread.is_alive()
+        assert not thread.is_alive(), "the follower slept through the commit"
+        [decision] = writer_log.read(Stream.DECISIONS, "job")
+        assert got == [[decision.position]]
+
+
+def test_a_commit_rings_only_the_streams_it_wrote(tmp_path: Path) -> None:
+    """A step's records do not wake a follower of the decisions (the agent's relay)."""
+    path = tmp_path / "run.db"
+    with EmbeddedLog.from_url(f"sqlite:///{path}") as log:
+        waiters = {stream: commit_signal.Waiter.open(path, stream) for stream in Stream}
+        rung = {}
+        log.append(Stream.EVENTS, heartbeat(0))
+        for stream, waiter in waiters.items():
+            assert waiter is not None
+            readable, _, _ = select.select([waiter._fd], [], [], 0)
+            rung[stream] = bool(readable)
+            waiter.close()
+    assert rung == {Stream.EVENTS: True, Stream.DECISIONS: False}
+
+
+def test_without_inotify_a_follower_polls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(commit_signal, "_LIBC", None)
+    url = f"sqlite:///{tmp_path / 'run.db'}"
+    with EmbeddedLog.from_url(url) as follower_log, EmbeddedLog.from_url(url) as writer_log:
+        assert follower_log._waiter(Stream.EVENTS) is None
+        got: list[object] = []
+        thread = _following(follower_log, Stream.EVENTS, got)
+        position = writer_log.append(Stream.EVENTS, heartbeat(0))
+        thread.join(30.0)
         assert got == [[position]]
+
+
+@pytest.mark.usefixtures("no_polling")
+def test_closing_the_log_ends_a_follow_that_waits_for_a_ring(tmp_path: Path) -> None:
+    """The wait is cancelled before its descriptors close (none is closed under a wait)."""
+    log = EmbeddedLog.from_url(f"sqlite:///{tmp_path / 'run.db'}")
+    got: list[object] = []
+    thread = _following(log, Stream.EVENTS, got)
+    log.close()
+    thread.join(30.0)
+    assert not thread.is_alive(), "the follow outlived the log"
+    assert got == [f"log {log.url} is closed"]

@@ -18,6 +18,8 @@ Why it is safe with many processes appending and following at once:
   (connectors/group_commit.py) that commits what queued meanwhile in one transaction: durable
   once ``flush`` returns, lost if the process dies first (docs/kafka.md, "what each write
   promises").
+- a follower wakes when a commit to its stream rings that stream's signal file
+  (connectors/commit_signal.py), in any process; without inotify it polls.
 
 Positions are the AUTOINCREMENT rowid of the stream's table: strictly increasing, never reused,
 not dense per job.
@@ -36,17 +38,19 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote
 
 from flashrecovery.connectors.base import Entry, LogConnector
+from flashrecovery.connectors.commit_signal import Signaller, Waiter
 from flashrecovery.connectors.group_commit import Batch, GroupCommitter
 from flashrecovery.errors import LogError
 from flashrecovery.records import Stream
 
 SCHEMA_VERSION = 1
 DEFAULT_TIMEOUT_S = 30.0
-# follow's first wait; doubles up to MAX_POLL_S. 5 ms, not 1: a follower of a job's events
-# (the agent's engine) starts a follow after every step's records, and polls before the next
-# step's came cost the agent CPU that the ranks share (docs/hook.md, what the hook costs).
+# Without inotify, follow's first wait; doubles up to MAX_POLL_S. 5 ms, not 1: a follower of a
+# job's events (the agent's engine) starts a follow after every step's records, and polls before
+# the next step's came cost the agent CPU that the ranks share (docs/hook.md, what it costs).
 FIRST_POLL_S = 0.005
 MAX_POLL_S = 0.02
+SIGNAL_LOOK_S = 1.0  # with inotify, how often a follower also looks without being rung
 _PREFIX = "sqlite://"
 _OPTIONS = ("timeout",)
 
@@ -66,49 +70,6 @@ _SCHEMA = (
 # Connections inherited through fork belong to the parent's SQLite state: the child must neither
 # use nor close them, so they are parked here for the life of the process.
 _INHERITED: list[sqlite3.Connection] = []
-
-
-class _LocalDecisions:
-    """This process's commits of decisions to one file: a follower of the decisions in the same
-    process (the agent relaying its engine's decisions to its ranks) wakes on one at once
-    instead of at its next poll, up to 20 ms later, on each hop of a recovery (a spare's
-    activation came 14-27 ms after its decision, 3-14 ms with this). Only decisions: the events
-    carry every step's records, and waking the engine on each (and waiting on a condition in
-    every poll) cost the agent 0.5-0.8 % of a core at 2 ranks. Other processes' commits are
-    still found by polling."""
-
-    def __init__(self) -> None:
-        self._changed = threading.Condition()
-        self.count = 0  # commits of decisions so far; read without the lock, it only grows
-
-    def committed(self) -> None:
-        with self._changed:
-            self.count += 1
-            self._changed.notify_all()
-
-    def wait(self, seen: int, timeout: float) -> None:
-        """Until this process commits decisions after ``seen``, or ``timeout`` passes."""
-        with self._changed:
-            self._changed.wait_for(lambda: self.count != seen, timeout)
-
-
-_LOCAL_DECISIONS: dict[Path, _LocalDecisions] = {}
-_LOCAL_DECISIONS_LOCK = threading.Lock()
-
-
-def _local_decisions(path: Path) -> _LocalDecisions:
-    with _LOCAL_DECISIONS_LOCK:
-        return _LOCAL_DECISIONS.setdefault(path, _LocalDecisions())
-
-
-def _forget_local_decisions() -> None:
-    """A forked child starts with fresh conditions: another thread may have held one at fork."""
-    global _LOCAL_DECISIONS_LOCK
-    _LOCAL_DECISIONS_LOCK = threading.Lock()
-    _LOCAL_DECISIONS.clear()
-
-
-os.register_at_fork(after_in_child=_forget_local_decisions)
 
 
 def _parse_url(url: str) -> tuple[Path, float]:
@@ -154,17 +115,25 @@ def _parse_url(url: str) -> tuple[Path, float]:
 
 
 class _Connection:
-    """One thread's connection, with a lock that ``close`` takes to wait out a running query."""
+    """One thread's connection, with a lock that ``close`` takes to wait out a running query,
+    and the thread's waiters for commits (a follow's, per stream)."""
 
     def __init__(self, db: sqlite3.Connection) -> None:
         self.db = db
         self.lock = threading.Lock()
         self.pid = os.getpid()
         self.thread = threading.current_thread()
+        self.waiters: dict[Stream, Waiter] = {}
+
+    def close_waiters(self) -> None:
+        waiters, self.waiters = list(self.waiters.values()), {}
+        for waiter in waiters:
+            waiter.close()
 
     def close(self) -> None:
         with self.lock:
             self.db.close()
+            self.close_waiters()
 
 
 class EmbeddedLog(LogConnector):
@@ -181,6 +150,7 @@ class EmbeddedLog(LogConnector):
         self._closed = False
         self._committer: GroupCommitter | None = None  # started by the first append_async
         self._committer_pid = os.getpid()
+        self._signaller = Signaller(path)
         self._connection()  # create the file and schema now, so a bad path fails at open
 
     @classmethod
@@ -218,6 +188,8 @@ class EmbeddedLog(LogConnector):
         for conn in self._connections:
             if conn.pid != pid:
                 _INHERITED.append(conn.db)
+                for waiter in conn.waiters.values():
+                    waiter.forget()  # this process's copies; the parent's wait goes on
             elif conn.thread.is_alive():
                 live.append(conn)
             else:
@@ -359,8 +331,8 @@ class EmbeddedLog(LogConnector):
                 if db.in_transaction:
                     db.execute("ROLLBACK")
                 raise
-        if any(stream is Stream.DECISIONS for stream, _, _ in batches):
-            _local_decisions(self.path).committed()
+        for stream in {stream for stream, _, _ in batches}:
+            self._signaller.ring(stream)
         return out
 
     def read(
@@ -374,16 +346,16 @@ class EmbeddedLog(LogConnector):
     def follow(
         self, stream: Stream, job_id: str, from_position: int, timeout: float
     ) -> list[Entry]:
-        """Poll ``data_version`` (it changes when another connection commits) with a backoff
-        from 1 ms to 20 ms, and run the query again only after a change; a commit of decisions
-        by this process ends a wait for decisions at once."""
+        """Wait for a commit to the stream to ring its signal (commit_signal.py), or without
+        inotify poll ``data_version`` (it changes when another connection commits) with a
+        backoff from 5 ms to 20 ms; run the query again only after a change."""
         stream = Stream(stream)
-        local = _local_decisions(self.path) if stream is Stream.DECISIONS else None
+        waiter = self._waiter(stream)
         deadline = time.monotonic() + max(timeout, 0.0)
         delay = FIRST_POLL_S
         while True:
-            # Both marks are taken before the query, so a commit after it is never missed.
-            seen = local.count if local is not None else 0
+            if waiter is not None:
+                waiter.clear()  # a ring from now on is a commit the query below may miss
             with self._db() as db:
                 version = self._data_version(db)
                 rows = self._select(db, stream, job_id, from_position, None)
@@ -393,16 +365,29 @@ class EmbeddedLog(LogConnector):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return []
-                if local is None:
-                    time.sleep(min(delay, remaining))
+                if waiter is not None and not waiter.lost:
+                    waiter.wait(min(remaining, SIGNAL_LOOK_S))
                 else:
-                    local.wait(seen, min(delay, remaining))
-                    if local.count != seen:
-                        break
-                delay = min(delay * 2, MAX_POLL_S)
+                    time.sleep(min(delay, remaining))
+                    delay = min(delay * 2, MAX_POLL_S)
                 with self._db() as db:
                     if self._data_version(db) != version:
                         break
+
+    def _waiter(self, stream: Stream) -> Waiter | None:
+        """This thread's waiter for commits to ``stream`` (a new one if the old one's file went
+        away), or None: then follow polls."""
+        conn = self._connection()
+        waiter = conn.waiters.get(stream)
+        if waiter is not None and waiter.lost:
+            waiter.close()
+            waiter = None
+            del conn.waiters[stream]
+        if waiter is None:
+            waiter = Waiter.open(self.path, stream)
+            if waiter is not None:
+                conn.waiters[stream] = waiter
+        return waiter
 
     def jobs(self) -> list[str]:
         with self._db() as db:
@@ -420,6 +405,7 @@ class EmbeddedLog(LogConnector):
             connections, self._connections = self._connections, []
         for conn in ended + connections:
             conn.close()
+        self._signaller.close()
 
     # ------------------------------------------------------------ helpers
 
