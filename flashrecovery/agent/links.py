@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
-import queue
 import select
 import socket
 import struct
@@ -34,6 +33,7 @@ import structlog
 from flashrecovery.connectors.base import LogConnector
 from flashrecovery.connectors.follow import append_many_through_outage
 from flashrecovery.errors import LogError, RecordError
+from flashrecovery.line_sender import LineSender
 from flashrecovery.records import (
     Decision,
     Envelope,
@@ -68,26 +68,16 @@ class _Link:
         self.written = 0
         self.ended = False  # the process closed its end (or died): nothing more will come
         self.last_step = -1  # the newest step it handed over (-1: none, not training yet)
-        self._out: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-        self._sender = threading.Thread(target=self._send, name=f"link-out-{self.pid}", daemon=True)
-        self._sender.start()
+        self._sender = LineSender(conn, f"link-out-{self.pid}")
 
     def send(self, line: bytes) -> None:
-        """Queue a line for the process: a stopped process never holds the agent up."""
-        self._out.put(line)
-
-    def _send(self) -> None:
-        while (line := self._out.get()) is not None:
-            try:
-                self.conn.sendall(line)
-            except OSError:
-                return  # the process is gone
+        """Never waits: a stopped process never holds the agent up."""
+        self._sender.send(line)
 
     def close(self) -> None:
-        self._out.put(None)
         with contextlib.suppress(OSError):
             self.conn.shutdown(socket.SHUT_RDWR)
-        self._sender.join(1.0)
+        self._sender.close(1.0)
         self.conn.close()
 
 

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 
 from flashrecovery.errors import LogError, RecordError
+from flashrecovery.line_sender import LineSender
 from flashrecovery.records import Decision, Envelope, Stream, dump_record, parse_record
 
 WAIT_SLICE_S = 0.05  # how often a wait for the log looks whether it should give up
@@ -25,14 +26,11 @@ class AgentLink:
         self._socket.connect(path)
         self._changed = threading.Condition()
         self._handed = 0
-        self._queued = 0  # lines the sender thread still has to send (order: after them)
         self._logged = 0
         self.closed = False  # the agent is gone (or the link was closed)
-        self._out: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._sender = LineSender(self._socket, "agent-link-out")
         self._decisions: queue.SimpleQueue[Decision | None] = queue.SimpleQueue()
-        self._sender = threading.Thread(target=self._send, name="agent-link-out", daemon=True)
         self._reader = threading.Thread(target=self._read, name="agent-link-in", daemon=True)
-        self._sender.start()
         self._reader.start()
 
     def hand(self, record: Envelope) -> int:
@@ -41,18 +39,9 @@ class AgentLink:
         unless the agent is a socket buffer behind: then a thread sends it, and this still
         never waits."""
         line = dump_record(record) + b"\n"
-        with self._changed:
+        with self._changed:  # numbered and sent in one order
             self._handed += 1
-            if not self._queued:
-                try:
-                    line = line[self._socket.send(line, socket.MSG_DONTWAIT) :]
-                except (BlockingIOError, InterruptedError):
-                    pass
-                except OSError:
-                    line = b""  # the agent is gone: the reader says so
-            if line:
-                self._queued += 1
-                self._out.put(line)
+            self._sender.send(line)
             return self._handed
 
     def wait_logged(self, number: int, timeout: float, give_up: Callable[[], bool]) -> bool:
@@ -84,15 +73,6 @@ class AgentLink:
                 got.append(self._decisions.get_nowait())
         return [d for d in got if d is not None]
 
-    def _send(self) -> None:
-        while (line := self._out.get()) is not None:
-            try:
-                self._socket.sendall(line)
-            except OSError:
-                return  # the agent is gone: the reader says so
-            with self._changed:
-                self._queued -= 1
-
     def _read(self) -> None:
         with contextlib.suppress(OSError), self._socket.makefile("rb") as lines:
             for line in lines:
@@ -113,8 +93,7 @@ class AgentLink:
 
     def close(self) -> None:
         """Send what was handed over, then close: the agent still writes it."""
-        self._out.put(None)
-        self._sender.join(2.0)
+        self._sender.close(2.0)
         with contextlib.suppress(OSError):
             self._socket.shutdown(socket.SHUT_RDWR)
         self._reader.join(1.0)
