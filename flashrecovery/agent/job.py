@@ -151,6 +151,7 @@ class Agent:
             nproc_per_node=config.nproc,
             spare_ids=member.next_spare_id,
             forks=forks,
+            finished=self._links.finished,
         )
         actions = Actions(
             supervisor,
@@ -373,8 +374,18 @@ class Agent:
 
     def _on_exit(self, child: Child, code: int) -> None:
         """A waiter thread saw a child end: report it at once, after what it handed over."""
+        exit_code, signal_number = (code, None) if code >= 0 else (None, -code)
         if self._links is not None:
             self._links.drain(child.pid, LINK_DRAIN_S)
+            if code != 0 and self._links.finished(child.pid):
+                log.warning(
+                    "a rank's process failed after it finished training: the job goes on to "
+                    "its end",
+                    rank=child.rank,
+                    pid=child.pid,
+                    exit_code=exit_code,
+                    signal=signal_number,
+                )
         self._report(
             RankExited(
                 job_id=self.job_id,
@@ -383,8 +394,8 @@ class Agent:
                 rank=child.rank,
                 spare_id=child.spare_id,
                 pid=child.pid,
-                exit_code=code if code >= 0 else None,
-                signal=-code if code < 0 else None,
+                exit_code=exit_code,
+                signal=signal_number,
                 node=self.node or 0,
             )
         )

@@ -37,6 +37,7 @@ from flashrecovery.line_sender import LineSender
 from flashrecovery.records import (
     Decision,
     Envelope,
+    RankFinished,
     StepCompleted,
     Stream,
     dump_record,
@@ -96,6 +97,7 @@ class ProcessLinks:
         self._links: list[_Link] = []
         self._pending: list[tuple[_Link, Envelope]] = []
         self._history: list[bytes] = []  # the decisions relayed so far
+        self._finished: set[int] = set()  # pids whose RankFinished is in the log
         self._closing = False
         self.batches = 0  # writes to the log so far
         self._threads = [
@@ -198,10 +200,16 @@ class ProcessLinks:
                 continue
             with self._changed:
                 self.batches += 1
+                self._finished.update(x.pid for x, r in batch if isinstance(r, RankFinished))
                 for link, count in Counter(link for link, _ in batch).items():
                     link.written += count
                     link.send(ack_line(link.written))
                 self._changed.notify_all()
+
+    def finished(self, pid: int) -> bool:
+        """Whether process ``pid`` finished training: its ``RankFinished`` is in the log."""
+        with self._changed:
+            return pid in self._finished
 
     # ------------------------------------------------------------------ settling
 

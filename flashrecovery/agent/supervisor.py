@@ -65,7 +65,10 @@ class Supervisor:
         nproc_per_node: int,
         spare_ids: Callable[[], int],
         forks: ForkServer | None = None,
+        finished: Callable[[int], bool] = lambda pid: False,
     ) -> None:
+        """``finished(pid)``: whether the process finished training (its RankFinished is in
+        the log); its exit is then no failure, whatever its status."""
         self._command = command
         self._forks = forks
         self._env = dict(env)
@@ -73,6 +76,7 @@ class Supervisor:
         self._output_dir = output_dir
         self._per_node = nproc_per_node  # a rank's LOCAL_RANK: its place on its node
         self._spare_ids = spare_ids  # unique job-wide (the job's store counts them)
+        self._finished = finished
         self._lock = threading.Lock()
         self._children: list[Child] = []
         self._holders: dict[int, Child] = {}  # rank -> the process holding it on this node
@@ -161,15 +165,21 @@ class Supervisor:
             self._holders.pop(rank, None)
 
     def all_finished(self) -> bool:
-        """Every rank held here (none on a spare node) has exited with status 0."""
+        """Every rank held here (none on a spare node) has exited with status 0, or exited at
+        all once it finished training (a crash in the interpreter's teardown must not hold a
+        job whose work is done)."""
         with self._lock:
-            return all(c.popen.poll() == 0 for c in self._holders.values())
+            holders = list(self._holders.values())
+        return all(not c.alive and not self._failed(c) for c in holders)
 
     def rank_down(self) -> bool:
         """Some rank's process here failed and nothing holds the rank yet."""
         with self._lock:
             holders = list(self._holders.values())
-        return any(c.popen.poll() not in (None, 0) for c in holders)
+        return any(self._failed(c) for c in holders)
+
+    def _failed(self, child: Child) -> bool:
+        return child.popen.poll() not in (None, 0) and not self._finished(child.pid)
 
     def idle_spares(self) -> int:
         with self._lock:

@@ -391,6 +391,8 @@ class Session:
                     final_state.parameters_sha256(self._model),
                 ).write(self._env.final_state_dir)
         self._close()
+        if self._rank is not None:
+            self._fault("exit", self._committed_step)
 
     def __enter__(self) -> Session:
         return self

@@ -11,7 +11,7 @@ import torch
 from livejob import STEPS, WORLD, JobResult, Processes, run_job
 
 from flashrecovery.engine.replay import replay_job
-from flashrecovery.records import Envelope
+from flashrecovery.records import Envelope, Stream
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -135,6 +135,25 @@ def test_stalled_rank_is_found_while_its_heartbeats_go_on(
     [isolate] = job.decisions("isolate_rank")
     assert isolate.rank == 1 and "no progress" in isolate.reason
     assert job.records(type="heartbeat_missed") == []  # it was alive all along
+
+
+def test_a_rank_that_dies_after_it_finished_does_not_hold_the_job(
+    tmp_path: Path, reference: torch.Tensor
+) -> None:
+    """Its work is done and its RankFinished in the log: a crash in its teardown is recorded,
+    nobody replaces it, and the job completes at once instead of waiting for it to come back
+    (it waited 120 s, then failed)."""
+    job = run_job(tmp_path, faults={1: f"exit@{STEPS - 1}"})
+    assert job.exit_code == 0, job.records(type="job_finished")
+    exits = [r for r in job.records(type="rank_exited") if r.rank == 1]
+    assert [(r.exit_code, r.signal) for r in exits] == [(None, 9)]
+    assert job.records(Stream.DECISIONS) == []  # nothing to recover
+    for rank in range(WORLD):
+        assert torch.equal(job.final(rank)["params"], reference), f"rank {rank} diverged"
+    [finished] = job.records(type="job_finished")
+    assert finished.status == "completed"
+    report = replay_job(job.log, job.job_id)
+    assert report.ok, report.divergence and report.divergence.describe()
 
 
 def test_rank_lost_after_the_last_commit_is_still_replaced(
