@@ -1,0 +1,39 @@
+"""bench/overhead.py's verdict on the 5 % goal (pure): an interval for the median of the
+repeats' paired overheads from their order statistics, and whether it decides the goal."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from overhead import median_interval, verdict
+
+
+@pytest.mark.parametrize(
+    ("repeats", "coverage"),
+    [(3, 0.75), (5, 0.9375), (7, 1 - 2 / 128)],  # too few for 90 %: the range, and what it covers
+)
+def test_few_repeats_give_their_range(repeats: int, coverage: float) -> None:
+    values = [float(v) for v in range(repeats, 0, -1)]  # unsorted on purpose
+    assert median_interval(values) == (1.0, float(repeats), pytest.approx(coverage))
+
+
+def test_more_repeats_leave_out_their_extremes() -> None:
+    # 9 repeats: the 2nd smallest and 2nd largest cover the median with 96 %, the 3rd only 82 %
+    values = [40.0, -30.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
+    low, high, coverage = median_interval(values)
+    assert (low, high) == (1.0, 7.0)
+    assert coverage == pytest.approx(1 - 2 * 10 / 512)
+
+
+def test_the_goal_is_decided_only_when_the_whole_interval_is_on_one_side() -> None:
+    assert verdict(-2.0, 4.9, 0.94) == "yes"
+    assert verdict(5.1, 12.0, 0.94) == "no"
+    assert verdict(1.0, 7.0, 0.94) == "undecided"
+
+
+def test_an_interval_that_covers_too_little_decides_nothing() -> None:
+    assert verdict(-2.0, 4.9, 0.75) == "too few repeats"  # 3 repeats: their range, 75 %
