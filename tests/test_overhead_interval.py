@@ -14,7 +14,7 @@ from overhead import median_interval, verdict
 
 @pytest.mark.parametrize(
     ("repeats", "coverage"),
-    [(3, 0.75), (5, 0.9375), (7, 1 - 2 / 128)],  # too few for 90 %: the range, and what it covers
+    [(3, 0.75), (5, 0.9375), (7, 1 - 2 / 128)],  # up to 7: the range, and what it covers
 )
 def test_few_repeats_give_their_range(repeats: int, coverage: float) -> None:
     values = [float(v) for v in range(repeats, 0, -1)]  # unsorted on purpose

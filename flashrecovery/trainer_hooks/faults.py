@@ -9,18 +9,17 @@ it on the store), so a replacement can be hit too, and one rank can fail at seve
 
 Points, with the step they are checked at: ``before_reduce`` and ``after_reduce`` SIGKILL the
 process there, at the step being committed (after the gradients are reduced but before the vote
-completes is the delicate case); ``finish`` SIGKILLs it in ``finish()`` once ``step`` is committed
-(the last step: lost after the job's work is done); ``exit`` SIGKILLs it at the very end of
-``finish()``, its ``RankFinished`` handed over (a crash in the interpreter's teardown after
-training); ``raise`` raises instead of dying; ``hang``
-SIGSTOPs the process so only the detectors can find it; ``stall`` blocks the training thread
-forever before the step's commit while the process (and its heartbeats) live on, so only the
-stall detector can find it. During a recovery, at the member's committed step: ``regroup``
-SIGKILLs a member as it starts to join a new generation, ``group_build`` as it starts to build
-the generation's group (its ring neighbours wait for it while theirs form), and
-``donor_send`` kills a donor in the middle of sending its state (after the first message).
-``checkpoint_load`` SIGKILLs a member as it starts loading the checkpoint a fallback names, at
-that checkpoint's step.
+completes is the delicate case); ``finish`` SIGKILLs it in ``finish()`` once ``step`` is
+committed (the last step: lost after the job's work is done); ``exit`` SIGKILLs it at the very
+end of ``finish()``, its ``RankFinished`` handed over (a crash in the interpreter's teardown
+after training); ``raise`` raises instead of dying; ``hang`` SIGSTOPs the process so only the
+detectors can find it; ``stall`` blocks the training thread forever before the step's commit
+while the process (and its heartbeats) live on, so only the stall detector can find it. During a
+recovery, at the member's committed step: ``regroup`` SIGKILLs a member as it starts to join a
+new generation, ``group_build`` as it starts to build the generation's group (its ring
+neighbours wait for it while theirs form), and ``donor_send`` kills a donor in the middle of
+sending its state (after the first message). ``checkpoint_load`` SIGKILLs a member as it starts
+loading the checkpoint a fallback names, at that checkpoint's step.
 """
 
 from __future__ import annotations
