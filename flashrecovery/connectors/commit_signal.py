@@ -5,8 +5,8 @@ After each commit a writer rewrites one byte of a small file per stream it wrote
 until its stream's file changes. So a follower wakes once per commit to its own stream, at
 once, and not at all while nothing is written: the agent's engine used to poll the file
 every 5-20 ms between a step's records and the next step's, and its decisions follower every
-20 ms through the whole job, on the cores the ranks train on (docs/hook.md, what the hook
-costs). Where inotify is missing (not Linux), ``Waiter.open`` gives None and followers poll.
+20 ms through the whole job, on the cores the ranks train on (docs/overhead.md, "Where the time
+goes"). Where inotify is missing (not Linux), ``Waiter.open`` gives None and followers poll.
 """
 
 from __future__ import annotations

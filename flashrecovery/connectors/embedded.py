@@ -47,7 +47,8 @@ SCHEMA_VERSION = 1
 DEFAULT_TIMEOUT_S = 30.0
 # Without inotify, follow's first wait; doubles up to MAX_POLL_S. 5 ms, not 1: a follower of a
 # job's events (the agent's engine) starts a follow after every step's records, and polls before
-# the next step's came cost the agent CPU that the ranks share (docs/hook.md, what it costs).
+# the next step's came cost the agent CPU that the ranks share (docs/overhead.md, "Where the
+# time goes").
 FIRST_POLL_S = 0.005
 MAX_POLL_S = 0.02
 SIGNAL_LOOK_S = 1.0  # with inotify, how often a follower also looks without being rung
