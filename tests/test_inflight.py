@@ -4,9 +4,12 @@ is planned (trainer_hooks/inflight.py): real gloo groups, two ranks in two threa
 from __future__ import annotations
 
 import datetime
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -118,3 +121,32 @@ def test_a_collective_future_that_ends_lets_go_of_its_group() -> None:
     other.wait()
     future.wait()
     assert inflight._watcher._pending == []
+
+
+GROUP_DROPPED_WHILE_IN_FLIGHT = """
+import gc, sys, torch
+sys.path.insert(0, {tests!r})
+from test_inflight import two_groups
+from flashrecovery.trainer_hooks import inflight
+
+left, right = two_groups()
+future = inflight.future(left.allreduce([torch.ones(4)]), left, lambda: False)
+del left  # the pending collective holds the last reference to its group now
+gc.collect()
+right.allreduce([torch.ones(4)]).wait()  # the sum ends: settle runs on a gloo thread
+future.wait()
+inflight.release_finished()  # here, in this thread, the group goes
+assert inflight._settled == []
+print("ok")
+"""
+
+
+def test_a_group_whose_last_reference_a_settled_collective_held_is_dropped_safely() -> None:
+    """Dropped on its own gloo thread (the done callback's), a group's destructor joins that
+    thread and the process aborts; the group is let go of in a thread of the process's own."""
+    script = GROUP_DROPPED_WHILE_IN_FLIGHT.format(tests=str(Path(__file__).parent))
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "ok"

@@ -33,6 +33,10 @@ IDLE_LOOK_S = 1.0  # the watcher's own look, should a plan come without a poke
 # (group, set once its work still in flight ends): gloo leaves some works incomplete for
 # ``is_completed()`` even after they ended (a reduce-scatter's)
 _left_behind: list[tuple[object, threading.Event]] = []
+# The groups of settled collectives, kept until a thread of the process's own lets go of them:
+# ``settle`` runs on a gloo worker thread, and were the last reference to a group dropped there,
+# the group's destructor would join that very thread (std::system_error: the process aborts).
+_settled: list[object] = []
 _lock = threading.Lock()
 
 
@@ -41,7 +45,8 @@ class _Pending:
     by a newer generation's plan (then the work is left behind)."""
 
     def __init__(self, group: object, superseded: Callable[[], bool]) -> None:
-        self.group, self.superseded = group, superseded
+        self.group: object | None = group
+        self.superseded = superseded
         self.ended = threading.Event()
         self.future: torch.futures.Future[Any] = torch.futures.Future()
         self._settled = threading.Lock()
@@ -57,9 +62,14 @@ class _Pending:
             return first
 
     def settle(self, source: torch.futures.Future[Any]) -> None:
-        """The work ended: pass on its value or its error."""
+        """The work ended: pass on its value or its error. On a gloo thread, so the group
+        goes to ``_settled`` without a reference left here (the next ``future()`` or
+        ``release_finished()`` lets go of it)."""
         self.ended.set()
         _watcher.forget(self)  # its group is not held on to past its work
+        with _lock:
+            _settled.append(self.group)
+            self.group = None
         if not self._claim():
             return
         try:
@@ -129,6 +139,7 @@ def future(
     """``work``'s future (``work`` a collective of ``group``), failed with ``Superseded`` once
     ``superseded()`` holds while the work is in flight; the work is then left behind with its
     group."""
+    _let_go_of_settled()
     pending = _Pending(group, superseded)
     work.get_future().add_done_callback(pending.settle)
     if not pending.done:
@@ -176,4 +187,15 @@ def _leave_behind(group: object, ended: threading.Event) -> Superseded:
 def release_finished() -> None:
     """Let go of the groups left behind whose work has ended (dropping them is cheap now)."""
     with _lock:
+        finished = [(g, e) for g, e in _left_behind if e.is_set()]
         _left_behind[:] = [(g, e) for g, e in _left_behind if not e.is_set()]
+    del finished  # outside the lock: a group's destructor joins its threads
+    _let_go_of_settled()
+
+
+def _let_go_of_settled() -> None:
+    """Drop the settled entries here, in a thread that is none of gloo's."""
+    with _lock:
+        settled = _settled[:]
+        _settled.clear()
+    del settled
