@@ -3,6 +3,7 @@ process, on a real store and real files (trainer_hooks/checkpoint.py)."""
 
 from __future__ import annotations
 
+import datetime
 import threading
 from pathlib import Path
 
@@ -52,6 +53,33 @@ def test_marker_only_once_every_part_is_written(store: dist.Store, tmp_path: Pat
         loaded = checkpoint.load(path, rank, {"w": held, "committed_step": -1})
         assert loaded["w"] is held and torch.equal(held, states[rank]["w"])
         assert loaded["committed_step"] == 5
+
+
+def test_a_part_whose_rank_was_replaced_is_not_waited_for(
+    store: dist.Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 was lost before writing its part of generation 1's checkpoint: once a plan has
+    replaced it, rank 0 stops waiting for that part (a job's end waits for rank 0's finisher,
+    and would have waited the whole COMPLETION_TIMEOUT)."""
+    monkeypatch.setattr(checkpoint, "COMPLETION_SLICE", datetime.timedelta(milliseconds=50))
+    replaced: set[int] = set()
+    completed: list[int] = []
+    writer = checkpoint.Checkpointer(
+        tmp_path,
+        2,
+        lambda: client(store),
+        lambda step, path: completed.append(step),
+        lambda generation: replaced if generation < 2 else set(),
+    )
+    writer.save(5, 1, 0, 2, {"w": torch.ones(3), "committed_step": 5})
+    [finisher] = writer._finishers
+    finisher.join(0.3)
+    assert finisher.is_alive(), "rank 1, not replaced, may still write its part"
+    replaced.add(1)  # generation 2's plan replaced rank 1
+    finisher.join(30)
+    assert not finisher.is_alive()
+    assert completed == []
+    assert not (checkpoint.step_dir(tmp_path, 5, 1) / checkpoint.MARKER).exists()
 
 
 def test_staged_copy_is_not_changed_by_training() -> None:

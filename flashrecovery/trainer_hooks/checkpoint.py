@@ -11,7 +11,8 @@ a background thread writes it. The write takes part in no collective: one in the
 on the user's groups would race the training thread's collectives and be torn by every
 regroup, and a part needs nothing from the peers. DCP's file writer fsyncs what it writes; the
 rank then says so in the rendezvous store, and rank 0 waits for every rank's word, writes the
-``COMPLETE`` marker (atomically) and reports the checkpoint, which only then counts.
+``COMPLETE`` marker (atomically) and reports the checkpoint, which only then counts; a part
+whose rank was replaced before it was written never comes, and rank 0 stops waiting for it.
 A generation's parts live apart from another's, so a marker never covers a part written later.
 """
 
@@ -21,6 +22,7 @@ import datetime
 import json
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,8 +38,10 @@ from flashrecovery.errors import ProtocolError
 
 MARKER = "COMPLETE"
 # How long rank 0 waits for the other ranks' parts of one checkpoint: a rank lost meanwhile
-# never reports its part, and that checkpoint never counts.
+# never reports its part, and that checkpoint never counts. It looks every COMPLETION_SLICE
+# whether a rank whose part is missing was replaced since (then it stops at once).
 COMPLETION_TIMEOUT = datetime.timedelta(seconds=120)
+COMPLETION_SLICE = datetime.timedelta(seconds=1)
 
 
 def step_dir(root: Path, step: int, generation: int) -> Path:
@@ -84,7 +88,8 @@ def load(path: Path, rank: int, state: dict[str, Any]) -> dict[str, Any]:
 
 class Checkpointer:
     """One rank's checkpoint writer: at most one part in flight; rank 0 also completes each
-    checkpoint once every rank's part is durable (``completed(step, path)``)."""
+    checkpoint once every rank's part is durable (``completed(step, path)``). ``replaced(g)``:
+    the ranks replaced in a generation after ``g`` (their processes of ``g`` are gone)."""
 
     def __init__(
         self,
@@ -92,10 +97,12 @@ class Checkpointer:
         every: int,
         store: Callable[[], dist.Store],
         completed: Callable[[int, str], object],
+        replaced: Callable[[int], set[int]] = lambda generation: set(),
     ) -> None:
         self.root, self.every = root, every
         self._store = store  # a new client per writer thread: a store client is not shared
         self._completed = completed
+        self._replaced = replaced
         self._written = threading.Event()
         self._written.set()
         self._finishers: list[threading.Thread] = []
@@ -155,14 +162,24 @@ class Checkpointer:
             store.set(_key(generation, step, rank), "1")
         finally:
             self._written.set()
-        if rank != 0:
-            return
-        try:
-            store.wait([_key(generation, step, r) for r in range(world_size)], COMPLETION_TIMEOUT)
-        except dist.DistStoreError:
-            return  # a rank was lost before its part was durable: this checkpoint never counts
-        _write_marker(path, {"step": step, "generation": generation, "world_size": world_size})
-        self._completed(step, str(path))
+        if rank == 0 and self._parts_written(store, step, generation, world_size):
+            _write_marker(path, {"step": step, "generation": generation, "world_size": world_size})
+            self._completed(step, str(path))
+
+    def _parts_written(self, store: dist.Store, step: int, generation: int, size: int) -> bool:
+        """Wait until every rank's part is durable: False once a rank whose part is missing
+        was replaced (it was lost before writing it: this checkpoint never counts), or after
+        ``COMPLETION_TIMEOUT``."""
+        keys = {r: _key(generation, step, r) for r in range(size)}
+        deadline = time.monotonic() + COMPLETION_TIMEOUT.total_seconds()
+        while True:
+            try:
+                store.wait(list(keys.values()), COMPLETION_SLICE)
+                return True
+            except dist.DistStoreError:
+                missing = {r for r, key in keys.items() if not store.check([key])}
+                if missing & self._replaced(generation) or time.monotonic() > deadline:
+                    return False
 
 
 def _key(generation: int, step: int, rank: int) -> str:

@@ -41,6 +41,7 @@ class DecisionFollower:
         self._on_regroup = on_regroup
         self._changed = threading.Condition()
         self._regroup: RegroupPlanned | None = None  # the newest
+        self._replaced: dict[int, set[int]] = {}  # generation -> the ranks its plan replaced
         self._resumes: dict[int, ResumePlanned | FallbackToCheckpoint] = {}
         self._fallback: FallbackToCheckpoint | None = None
         self._failed: FailJob | None = None
@@ -64,6 +65,11 @@ class DecisionFollower:
         with self._changed:
             return self._regroup.generation if self._regroup else 0
 
+    def replaced_after(self, generation: int) -> set[int]:
+        """The ranks that plans of generations after ``generation`` replaced."""
+        with self._changed:
+            return {r for g, ranks in self._replaced.items() if g > generation for r in ranks}
+
     def isolated(self, pid: int) -> bool:
         """Whether the engine declared the process failed (it must not rejoin)."""
         with self._changed:
@@ -79,6 +85,7 @@ class DecisionFollower:
     def _apply(self, decision: Decision) -> None:
         with self._changed:
             if isinstance(decision, RegroupPlanned):
+                self._replaced[decision.generation] = set(decision.replaced)
                 if self._regroup is None or decision.generation > self._regroup.generation:
                     self._regroup = decision
             elif isinstance(decision, ResumePlanned):

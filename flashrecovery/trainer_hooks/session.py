@@ -299,6 +299,7 @@ class Session:
             env.checkpoint_every,
             lambda: groups.connect_store(env.master_addr, env.master_port, env.store_prefix),
             lambda step, path: self._append(CheckpointSaved, step=step, path=path),
+            lambda generation: self._follower.replaced_after(generation),
         )
 
     def _save_checkpoint(self) -> None:
