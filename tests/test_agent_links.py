@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -17,8 +18,8 @@ import pytest
 
 from flashrecovery.agent.links import ProcessLinks
 from flashrecovery.agent.nodedir import NodeDir, remove_stale
-from flashrecovery.connectors import LogConnector, open_log
-from flashrecovery.records import RegroupPlanned, StepCompleted, Stream
+from flashrecovery.connectors import LogConnector, commit_signal, open_log
+from flashrecovery.records import CollectiveError, RegroupPlanned, StepCompleted, Stream
 from flashrecovery.trainer_hooks.agent_link import AgentLink
 
 JOB = "links"
@@ -84,6 +85,51 @@ def test_records_handed_over_are_written_in_batches_in_order_and_acknowledged(
     for rank in range(4):  # each process's records in the order it handed them over
         assert [s for r, s in written if r == rank] == list(range(5))
     assert links.batches < len(written)  # a step's records of several ranks in one write
+
+
+def test_steps_alone_are_routine_anything_else_rings_the_urgent_signal(
+    tmp_path: Path, links: ProcessLinks, log: LogConnector
+) -> None:
+    """The agent's engine waits for the urgent signal only: for every step that was a wake-up
+    on the cores the ranks train on, for records nothing acts on at once."""
+    waiters = {
+        urgent: commit_signal.Waiter.open(tmp_path / "log.db", Stream.EVENTS, urgent)
+        for urgent in (False, True)
+    }
+    ranks = [AgentLink(links.path) for _ in range(2)]
+
+    def hand_all(records: list[StepCompleted | CollectiveError]) -> dict[bool, bool]:
+        """Hand each rank its record, wait until all are in the log: which signals rang?"""
+        for waiter in waiters.values():
+            assert waiter is not None
+            waiter.clear()
+        numbers = [link.hand(record) for link, record in zip(ranks, records, strict=True)]
+        for link, number in zip(ranks, numbers, strict=True):
+            assert link.wait_logged(number, WAIT_S, lambda: False)
+        return {
+            urgent: bool(select.select([waiter._fd], [], [], 0)[0])
+            for urgent, waiter in waiters.items()
+            if waiter is not None
+        }
+
+    failed = [
+        CollectiveError(
+            job_id=JOB, generation=0, source=f"rank:{r}", rank=r, step=3, error="peer gone"
+        )
+        for r in range(2)
+    ]
+    try:
+        rung = [hand_all([step(0, s), step(1, s)]) for s in range(3)]
+        rung.append(hand_all(failed))
+    finally:
+        for link in ranks:
+            link.close()
+        for waiter in waiters.values():
+            if waiter is not None:
+                waiter.close()
+    steps_only, error = {False: True, True: False}, {False: True, True: True}
+    assert rung == [steps_only, steps_only, steps_only, error]
+    assert len(steps_in(log)) == 6  # as durable as ever: every step is in the log
 
 
 def test_a_process_killed_right_after_handing_over_still_has_its_records_logged(

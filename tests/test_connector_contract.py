@@ -234,6 +234,30 @@ def test_follow_wakes_promptly_when_another_thread_appends(log: LogConnector) ->
     assert returned_at[0] - appended_at < PROMPT_S
 
 
+def test_a_follower_that_skips_routine_wakes_still_gets_routine_records(
+    log: LogConnector,
+) -> None:
+    """What the engine relies on: routine records (a step's) appended while it waits reach a
+    follow with ``wake_on_routine=False`` by the end of its wait at the latest."""
+    start = log.append(EVENTS, heartbeat("job", 0)) + 1
+    following = threading.Event()
+    result: list[Entry] = []
+
+    def follower() -> None:
+        following.set()
+        result.extend(log.follow(EVENTS, "job", start, timeout=PROMPT_S, wake_on_routine=False))
+
+    thread = threading.Thread(target=follower, daemon=True)
+    thread.start()
+    assert following.wait(WAIT_S)
+    time.sleep(SETTLE_S)
+    record = heartbeat("job", 1)
+    [position] = log.append_many(EVENTS, [record], routine=True)
+    thread.join(WAIT_S)
+    assert not thread.is_alive()
+    assert [(e.position, e.record) for e in result] == [(position, record)]
+
+
 def _append_when_told(url: str, job_id: str, ready: MpEvent, go: MpEvent) -> None:
     """Child process: open the log, say so, then append one heartbeat (stamped now) when told."""
     with open_log(url) as log:

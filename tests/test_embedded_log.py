@@ -8,6 +8,7 @@ import sqlite3
 import threading
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -196,8 +197,8 @@ def _following(log: EmbeddedLog, stream: Stream, got: list[object]) -> threading
     looked = threading.Event()
     original = log._waiter
 
-    def waiter(stream: Stream) -> commit_signal.Waiter | None:
-        found = original(stream)
+    def waiter(stream: Stream, urgent: bool = False) -> commit_signal.Waiter | None:
+        found = original(stream, urgent)
         looked.set()
         return found
 
@@ -258,6 +259,63 @@ def test_a_commit_rings_only_the_streams_it_wrote(tmp_path: Path) -> None:
             rung[stream] = bool(readable)
             waiter.close()
     assert rung == {Stream.EVENTS: True, Stream.DECISIONS: False}
+
+
+@pytest.mark.usefixtures("no_polling")
+def test_a_follower_that_skips_routine_wakes_finds_routine_records_when_its_wait_ends(
+    tmp_path: Path,
+) -> None:
+    """The engine follows with ``wake_on_routine=False``: a step's records (routine) do not
+    wake it, they are read at its next look; anything else wakes it at once. Every other
+    follower is woken by every commit, as before."""
+    url = f"sqlite:///{tmp_path / 'run.db'}"
+    with EmbeddedLog.from_url(url) as follower_log, EmbeddedLog.from_url(url) as writer_log:
+        got: list[list[int]] = []
+
+        def follow(timeout: float, wake_on_routine: bool) -> threading.Thread:
+            looked = threading.Event()
+            original = follower_log._select
+
+            def spy(*args: Any) -> list[Any]:
+                rows = original(*args)
+                looked.set()  # its first look is done: it waits now
+                return rows
+
+            follower_log._select = spy  # type: ignore[method-assign]
+            start = len(writer_log.read(Stream.EVENTS, "job")) + 1
+
+            def run() -> None:
+                entries = follower_log.follow(
+                    Stream.EVENTS, "job", start, timeout, wake_on_routine=wake_on_routine
+                )
+                got.append([entry.position for entry in entries])
+
+            thread = threading.Thread(target=run, daemon=True)
+            thread.start()
+            assert looked.wait(10.0)
+            follower_log._select = original  # type: ignore[method-assign]
+            return thread
+
+        # routine: found when the wait (1 s) ends; a ring would have ended it at once too,
+        # so the urgent signal is checked as well: it did not ring
+        urgent = commit_signal.Waiter.open(tmp_path / "run.db", Stream.EVENTS, urgent=True)
+        assert urgent is not None
+        thread = follow(timeout=1.0, wake_on_routine=False)
+        [routine] = writer_log.append_many(Stream.EVENTS, [heartbeat(0)], routine=True)
+        thread.join(30.0)
+        assert not select.select([urgent._fd], [], [], 0)[0], "a routine commit rang urgently"
+        urgent.close()
+        # not routine: wakes it although its wait is long
+        thread = follow(timeout=120.0, wake_on_routine=False)
+        other = writer_log.append(Stream.EVENTS, heartbeat(1))
+        thread.join(30.0)
+        assert not thread.is_alive(), "a commit that is not routine did not wake it"
+        # a follower that wakes on routine commits is woken by one at once
+        thread = follow(timeout=120.0, wake_on_routine=True)
+        [last] = writer_log.append_many(Stream.EVENTS, [heartbeat(2)], routine=True)
+        thread.join(30.0)
+        assert not thread.is_alive(), "a routine commit did not wake a follower of every commit"
+    assert got == [[routine], [other], [last]]
 
 
 def test_without_inotify_a_follower_polls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

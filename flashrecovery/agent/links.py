@@ -191,9 +191,16 @@ class ProcessLinks:
                 while self._step_incomplete() and (left := deadline - time.monotonic()) > 0:
                     self._changed.wait(left)
                 batch, self._pending = self._pending, []
+            records = [record for _, record in batch]
             try:
                 append_many_through_outage(
-                    self._log, Stream.EVENTS, [record for _, record in batch], self._patience_s
+                    self._log,
+                    Stream.EVENTS,
+                    records,
+                    self._patience_s,
+                    # steps alone: the engine acts on nothing in them at once, so it is not
+                    # woken for every step on the cores the ranks train on
+                    routine=all(isinstance(r, StepCompleted) for r in records),
                 )
             except LogError as exc:  # no acknowledgement: the ranks' waits for it say so
                 log.error("the log lost records of the node's processes", error=str(exc))

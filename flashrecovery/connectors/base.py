@@ -46,15 +46,27 @@ class LogConnector(ABC):
         """Store the record durably, linked into its writer's hash chain; return its position."""
         return self._chains.append(stream, record, self.append_raw)
 
-    def append_many(self, stream: Stream, records: Sequence[Envelope]) -> list[int]:
+    def append_many(
+        self, stream: Stream, records: Sequence[Envelope], *, routine: bool = False
+    ) -> list[int]:
         """Store one job's records durably as one batch (one commit, one acknowledgement: a
-        writer that need not wait per record asks for this); their positions, in order."""
+        writer that need not wait per record asks for this); their positions, in order.
+        ``routine``: nothing has to act on these records at once (a step's records), so a
+        follower that said so (``follow(wake_on_routine=False)``) need not be woken for them;
+        they are as durable as any."""
         if not records:
             return []
-        return self._chains.append_many(stream, records, self.append_raw_many)
+        return self._chains.append_many(
+            stream,
+            records,
+            lambda s, job_id, raws: self.append_raw_many(s, job_id, raws, routine=routine),
+        )
 
-    def append_raw_many(self, stream: Stream, job_id: str, raws: list[bytes]) -> list[int]:
-        """Store a batch of bytes; backends that can commit a batch at once override this."""
+    def append_raw_many(
+        self, stream: Stream, job_id: str, raws: list[bytes], *, routine: bool = False
+    ) -> list[int]:
+        """Store a batch of bytes; backends that can commit a batch at once override this
+        (``routine``: as in ``append_many``)."""
         return [self.append_raw(stream, job_id, raw) for raw in raws]
 
     def append_async(self, stream: Stream, record: Envelope) -> None:
@@ -93,9 +105,17 @@ class LogConnector(ABC):
 
     @abstractmethod
     def follow(
-        self, stream: Stream, job_id: str, from_position: int, timeout: float
+        self,
+        stream: Stream,
+        job_id: str,
+        from_position: int,
+        timeout: float,
+        *,
+        wake_on_routine: bool = True,
     ) -> list[Entry]:
-        """Like read, but block up to ``timeout`` seconds until at least one entry exists."""
+        """Like read, but block up to ``timeout`` seconds until at least one entry exists.
+        ``wake_on_routine=False``: a backend may let routine records (``append_many``) wait
+        until the timeout or the next record that is not routine, and return them then."""
 
     @abstractmethod
     def jobs(self) -> list[str]:

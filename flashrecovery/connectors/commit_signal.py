@@ -7,6 +7,10 @@ once, and not at all while nothing is written: the agent's engine used to poll t
 every 5-20 ms between a step's records and the next step's, and its decisions follower every
 20 ms through the whole job, on the cores the ranks train on (docs/overhead.md, "Where the time
 goes"). Where inotify is missing (not Linux), ``Waiter.open`` gives None and followers poll.
+
+A commit that is not *routine* also rings a second file (``<db>-events.urgent.signal``): a
+follower that acts on nothing routine at once (the engine, on a step's records) waits on that
+one and finds the routine records when it looks on its own, instead of waking for every step.
 """
 
 from __future__ import annotations
@@ -42,29 +46,31 @@ def _inotify() -> ctypes.CDLL | None:
 _LIBC = _inotify()
 
 
-def signal_path(db: Path, stream: Stream) -> Path:
-    return db.with_name(f"{db.name}-{stream.value}.signal")
+def signal_path(db: Path, stream: Stream, urgent: bool = False) -> Path:
+    """The file rung by every commit to ``stream``, or (``urgent``) by those not routine."""
+    return db.with_name(f"{db.name}-{stream.value}{'.urgent' if urgent else ''}.signal")
 
 
 class Signaller:
-    """A writer's side: ``ring(stream)`` after a commit to ``stream``."""
+    """A writer's side: ``ring(stream, routine)`` after a commit to ``stream``."""
 
     def __init__(self, db: Path) -> None:
         self._db = db
-        self._fds: dict[Stream, int] = {}
+        self._fds: dict[tuple[Stream, bool], int] = {}
         self._lock = threading.Lock()
 
-    def ring(self, stream: Stream) -> None:
+    def ring(self, stream: Stream, routine: bool = False) -> None:
         """Best effort: a follower that misses a ring still looks on its own now and then."""
         with self._lock:
-            try:
-                fd = self._fds.get(stream)
-                if fd is None:
-                    fd = _create(signal_path(self._db, stream))
-                    self._fds[stream] = fd
-                os.pwrite(fd, b"\0", 0)
-            except OSError:
-                pass
+            for urgent in (False,) if routine else (False, True):
+                try:
+                    fd = self._fds.get((stream, urgent))
+                    if fd is None:
+                        fd = _create(signal_path(self._db, stream, urgent))
+                        self._fds[(stream, urgent)] = fd
+                    os.pwrite(fd, b"\0", 0)
+                except OSError:
+                    pass
 
     def close(self) -> None:
         with self._lock:
@@ -91,11 +97,12 @@ class Waiter:
         self.lost = False  # the watched file went away (or closed): follow polls instead
 
     @classmethod
-    def open(cls, db: Path, stream: Stream) -> Waiter | None:
-        """None without inotify, or when the stream's signal file cannot be watched."""
+    def open(cls, db: Path, stream: Stream, urgent: bool = False) -> Waiter | None:
+        """A waiter for every commit to ``stream``, or (``urgent``) for those not routine;
+        None without inotify, or when the signal file cannot be watched."""
         if _LIBC is None:
             return None
-        path = signal_path(db, stream)
+        path = signal_path(db, stream, urgent)
         try:
             os.close(_create(path))
         except OSError:

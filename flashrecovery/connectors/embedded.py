@@ -124,7 +124,7 @@ class _Connection:
         self.lock = threading.Lock()
         self.pid = os.getpid()
         self.thread = threading.current_thread()
-        self.waiters: dict[Stream, Waiter] = {}
+        self.waiters: dict[tuple[Stream, bool], Waiter] = {}  # (stream, urgent only)
 
     def close_waiters(self) -> None:
         waiters, self.waiters = list(self.waiters.values()), {}
@@ -270,13 +270,16 @@ class EmbeddedLog(LogConnector):
         [position] = self.append_raw_many(stream, job_id, [raw])
         return position
 
-    def append_raw_many(self, stream: Stream, job_id: str, raws: list[bytes]) -> list[int]:
+    def append_raw_many(
+        self, stream: Stream, job_id: str, raws: list[bytes], *, routine: bool = False
+    ) -> list[int]:
         """One transaction, so one fsync, for the whole batch; after what this handle's
-        ``append_async`` queued (a writer's records lie in the log in its order)."""
+        ``append_async`` queued (a writer's records lie in the log in its order). A routine
+        batch rings only its stream's signal, not the urgent one (commit_signal.py)."""
         committer = self._committer_of_this_process()
         if committer is not None and committer.pending:
             committer.flush(self.timeout)
-        [positions] = self._insert([(Stream(stream), job_id, raws)])
+        [positions] = self._insert([(Stream(stream), job_id, raws)], routine=routine)
         return positions
 
     def send_raw_many(
@@ -309,7 +312,9 @@ class EmbeddedLog(LogConnector):
     def _commit_group(self, group: list[Batch]) -> None:
         self._insert([(batch.stream, batch.job_id, batch.raws) for batch in group])
 
-    def _insert(self, batches: list[tuple[Stream, str, list[bytes]]]) -> list[list[int]]:
+    def _insert(
+        self, batches: list[tuple[Stream, str, list[bytes]]], routine: bool = False
+    ) -> list[list[int]]:
         """Insert each (stream, job, raws) in one transaction; the positions per batch."""
         out: list[list[int]] = []
         with self._db() as db:
@@ -333,7 +338,7 @@ class EmbeddedLog(LogConnector):
                     db.execute("ROLLBACK")
                 raise
         for stream in {stream for stream, _, _ in batches}:
-            self._signaller.ring(stream)
+            self._signaller.ring(stream, routine)
         return out
 
     def read(
@@ -345,13 +350,21 @@ class EmbeddedLog(LogConnector):
         return [Entry.decode(position, raw, stream) for position, raw in rows]
 
     def follow(
-        self, stream: Stream, job_id: str, from_position: int, timeout: float
+        self,
+        stream: Stream,
+        job_id: str,
+        from_position: int,
+        timeout: float,
+        *,
+        wake_on_routine: bool = True,
     ) -> list[Entry]:
-        """Wait for a commit to the stream to ring its signal (commit_signal.py), or without
-        inotify poll ``data_version`` (it changes when another connection commits) with a
-        backoff from 5 ms to 20 ms; run the query again only after a change."""
+        """Wait for a commit to the stream to ring its signal (commit_signal.py; without
+        ``wake_on_routine`` only a commit that is not routine), or without inotify poll
+        ``data_version`` (it changes when another connection commits) with a backoff from 5 ms
+        to 20 ms; run the query again only after a change, and once more at the end of a wait
+        (routine records are found then)."""
         stream = Stream(stream)
-        waiter = self._waiter(stream)
+        waiter = self._waiter(stream, urgent=not wake_on_routine)
         deadline = time.monotonic() + max(timeout, 0.0)
         delay = FIRST_POLL_S
         while True:
@@ -375,19 +388,19 @@ class EmbeddedLog(LogConnector):
                     if self._data_version(db) != version:
                         break
 
-    def _waiter(self, stream: Stream) -> Waiter | None:
-        """This thread's waiter for commits to ``stream`` (a new one if the old one's file went
-        away), or None: then follow polls."""
+    def _waiter(self, stream: Stream, urgent: bool = False) -> Waiter | None:
+        """This thread's waiter for commits to ``stream`` (``urgent``: those not routine; a
+        new one if the old one's file went away), or None: then follow polls."""
         conn = self._connection()
-        waiter = conn.waiters.get(stream)
+        waiter = conn.waiters.get((stream, urgent))
         if waiter is not None and waiter.lost:
             waiter.close()
             waiter = None
-            del conn.waiters[stream]
+            del conn.waiters[(stream, urgent)]
         if waiter is None:
-            waiter = Waiter.open(self.path, stream)
+            waiter = Waiter.open(self.path, stream, urgent)
             if waiter is not None:
-                conn.waiters[stream] = waiter
+                conn.waiters[(stream, urgent)] = waiter
         return waiter
 
     def jobs(self) -> list[str]:

@@ -50,8 +50,12 @@ class StreamCursor:
         *,
         retry: RetryPolicy = RETRY,
         stop: threading.Event | None = None,
+        wake_on_routine: bool = True,
     ) -> None:
+        """``wake_on_routine=False``: a poll need not end for routine records (the engine's,
+        which acts on nothing in a step's records at once): ``LogConnector.follow``."""
         self.log = log
+        self.wake_on_routine = wake_on_routine
         self.stream = stream
         self.job_id = job_id
         self.position = position
@@ -68,7 +72,13 @@ class StreamCursor:
         """The entries that exist or arrive within ``timeout`` ([] when none, or during an
         outage after the policy's pause)."""
         return self._advance(
-            lambda: self.log.follow(self.stream, self.job_id, self.position, timeout)
+            lambda: self.log.follow(
+                self.stream,
+                self.job_id,
+                self.position,
+                timeout,
+                wake_on_routine=self.wake_on_routine,
+            )
         )
 
     def _advance(self, fetch: Callable[[], list[Entry]]) -> list[Entry]:
@@ -111,11 +121,17 @@ def append_many_through_outage(
     records: Sequence[Envelope],
     patience_s: float,
     retry: RetryPolicy = RETRY,
+    *,
+    routine: bool = False,
 ) -> list[int]:
     """``append_through_outage`` for one batch (``LogConnector.append_many``). A backend that
     stores a batch record by record (Kafka) may have stored part of a refused batch: that part
     is stored twice, and the engine rejects a record repeated (a step committed twice)."""
-    return _through_outage(lambda: connector.append_many(stream, records), patience_s, retry)
+    return _through_outage(
+        lambda: connector.append_many(stream, records, routine=routine),
+        patience_s,
+        retry,
+    )
 
 
 def _through_outage(append: Callable[[], T], patience_s: float, retry: RetryPolicy) -> T:

@@ -293,9 +293,12 @@ class KafkaLog(LogConnector):
         [offset] = self.append_raw_many(stream, job_id, [raw])
         return offset
 
-    def append_raw_many(self, stream: Stream, job_id: str, raws: list[bytes]) -> list[int]:
+    def append_raw_many(
+        self, stream: Stream, job_id: str, raws: list[bytes], *, routine: bool = False
+    ) -> list[int]:
         """Send the whole batch (the producer packs it into few requests, acks=all and
-        idempotent as ever), then wait once for every acknowledgement."""
+        idempotent as ever), then wait once for every acknowledgement. (Kafka's followers
+        fetch what is there: ``routine`` changes nothing.)"""
         futures = self._send(stream, job_id, raws)
         with self._failing(f"appending to {self.settings.topic(stream)}"):
             self._producer_or_fail().flush()  # no linger: out now (with what others queued)
@@ -351,7 +354,13 @@ class KafkaLog(LogConnector):
         return self._entries(stream, job_id, from_position, limit, wait_s=0.0)
 
     def follow(
-        self, stream: Stream, job_id: str, from_position: int, timeout: float
+        self,
+        stream: Stream,
+        job_id: str,
+        from_position: int,
+        timeout: float,
+        *,
+        wake_on_routine: bool = True,
     ) -> list[Entry]:
         return self._entries(stream, job_id, from_position, None, wait_s=timeout)
 

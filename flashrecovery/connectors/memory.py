@@ -32,7 +32,13 @@ class MemoryLog(LogConnector):
         return out if limit is None else out[:limit]
 
     def follow(
-        self, stream: Stream, job_id: str, from_position: int, timeout: float
+        self,
+        stream: Stream,
+        job_id: str,
+        from_position: int,
+        timeout: float,
+        *,
+        wake_on_routine: bool = True,
     ) -> list[Entry]:
         with self._changed:
             self._changed.wait_for(

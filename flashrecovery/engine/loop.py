@@ -69,7 +69,11 @@ class EngineLoop:
         self._log_away = False  # the last attempt to use the log failed
         self._judge_silence_after = 0.0  # see detect()
         self._stop = threading.Event()
-        self._events = StreamCursor(self.log, Stream.EVENTS, job_id, stop=self._stop)
+        # Nothing in a step's records needs acting on at once: they are read at the next look
+        # (every poll_s) instead of waking the engine for every step on the ranks' cores.
+        self._events = StreamCursor(
+            self.log, Stream.EVENTS, job_id, stop=self._stop, wake_on_routine=False
+        )
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
 
