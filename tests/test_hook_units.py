@@ -36,20 +36,61 @@ def store(job_store: JobStore) -> dist.Store:
 
 def test_vote_commits_only_when_every_member_voted(store: dist.Store) -> None:
     key = vote.vote_key(0, 5)
-    assert vote.cast(store, key, 1, 3) is None
-    assert vote.cast(store, key, 0, 3) is None
-    assert vote.cast(store, key, 2, 3) is vote.Verdict.COMMITTED
+    assert vote.cast(store, key, 3) is None
+    assert vote.cast(store, key, 3) is None
+    assert vote.cast(store, key, 3) is vote.Verdict.COMMITTED
     assert vote.close(store, key, 3) is vote.Verdict.COMMITTED  # a full vote can't be closed
+    assert vote.close(store, key, 3) is vote.Verdict.COMMITTED  # nor by a second closer
     assert vote.wait(store, key) is vote.Verdict.COMMITTED
 
 
 def test_a_closed_vote_aborts_for_everyone(store: dist.Store) -> None:
     key = vote.vote_key(1, 5)
-    assert vote.cast(store, key, 0, 3) is None
+    assert vote.cast(store, key, 3) is None
     assert vote.close(store, key, 3) is vote.Verdict.ABORTED
-    assert vote.cast(store, key, 1, 3) is vote.Verdict.ABORTED  # can't vote on a closed vote
+    assert vote.cast(store, key, 3) is vote.Verdict.ABORTED  # can't vote on a closed vote
     assert vote.wait(store, key) is vote.Verdict.ABORTED
+    assert vote.close(store, key, 3) is vote.Verdict.ABORTED  # a second closer knows it
     assert vote.close(store, vote.vote_key(1, 6), 3) is vote.Verdict.ABORTED  # nobody voted yet
+
+
+def test_a_vote_filled_after_its_close_still_aborts(store: dist.Store) -> None:
+    """Every member's vote is counted, the last two after the close: a later closer, which
+    cannot tell from the count, learns the verdict the first closer published."""
+    key = vote.vote_key(2, 5)
+    assert vote.cast(store, key, 3) is None
+    assert vote.close(store, key, 3) is vote.Verdict.ABORTED
+    assert vote.cast(store, key, 3) is vote.Verdict.ABORTED
+    assert vote.cast(store, key, 3) is vote.Verdict.ABORTED
+    assert vote.close(store, key, 3) is vote.Verdict.ABORTED
+
+
+@pytest.mark.parametrize("closer", [False, True])
+def test_members_voting_at_once_agree(job_store: JobStore, closer: bool) -> None:
+    """Four members (each on its own client, as ranks are) vote at the same moment, with or
+    without a closer among them: exactly one verdict, the same for every one of them."""
+    world = 4
+    key = vote.vote_key(3, int(closer))
+    start = threading.Barrier(world + int(closer))
+    verdicts: list[vote.Verdict] = []
+
+    def member(close: bool) -> None:
+        client = groups.connect_store("127.0.0.1", job_store.port, job_store.prefix)
+        start.wait()
+        verdict = vote.close(client, key, world) if close else vote.cast(client, key, world)
+        verdicts.append(verdict if verdict is not None else vote.wait(client, key))
+
+    threads = [
+        threading.Thread(target=member, args=(i == world,)) for i in range(world + int(closer))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(verdicts) == world + int(closer)
+    assert len(set(verdicts)) == 1
+    if not closer:
+        assert verdicts[0] is vote.Verdict.COMMITTED
 
 
 def test_a_superseded_generation_releases_its_barrier(store: dist.Store) -> None:
@@ -227,7 +268,7 @@ def test_a_client_without_the_job_secret_cannot_vote(job_store: JobStore) -> Non
     the job's vote does not see them."""
     intruder = dist.TCPStore("127.0.0.1", job_store.port, is_master=False, timeout=TIMEOUT)
     key = vote.vote_key(0, 5)
-    intruder.set(key, "0,1,2")
+    intruder.set(key, "3")
     intruder.set(f"{key}/verdict", vote.Verdict.COMMITTED.value)
-    assert vote.cast(job_store.keys, key, 0, 3) is None  # still waiting for ranks 1 and 2
+    assert vote.cast(job_store.keys, key, 3) is None  # still waiting for two more
     assert vote.close(job_store.keys, key, 3) is vote.Verdict.ABORTED

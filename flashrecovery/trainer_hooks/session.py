@@ -419,7 +419,7 @@ class Session:
         with self._releasable(lambda store: vote.close(store, key, self.world_size)) as superseded:
             if not self._previous_step_logged():
                 return vote.close(self._store, key, self.world_size)
-            verdict = vote.cast(self._store, key, self.rank, self.world_size)
+            verdict = vote.cast(self._store, key, self.world_size)
             if verdict is None and superseded:
                 verdict = vote.close(self._store, key, self.world_size)
             if verdict is None:

@@ -1,12 +1,15 @@
 """The step vote on the store (docs/protocol.md, "A step"): a step commits for every member of
 a generation or for none.
 
-The vote key holds the sorted ranks that voted (``"0,2"``), or ``"closed:0,2"`` once a member
-closed it because the job moved to a newer generation. Voter sets rather than counts, because
-``Store.compare_set`` answers with the current value both when it swaps and when it doesn't: a
-value that names this rank can only have been written by this rank, so the answer is never
-ambiguous. Whoever makes the vote final (the last voter, or a closer) writes the verdict key that
-the other members wait on.
+The vote key counts: each member adds 1 as its vote, and a member that closes the vote because
+the job moved to a newer generation adds ``CLOSED``. ``Store.add`` answers with the count right
+after its own addition, atomically, so one round trip tells a voter whether it was the last
+(the count is the world size: committed), one too late (the count is at or above ``CLOSED``: the
+vote was closed first, aborted), or neither (it waits for the verdict). A step's critical path
+is the last voter's: one round trip and the verdict's publication, however many members vote at
+once. Whoever makes the vote final (the last voter, or the first closer) writes the verdict key
+that the other members wait on; a late voter and a later closer that know the verdict write it
+too (the same value), so it is published unless every one of them dies at that moment.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from enum import StrEnum
 
 import torch.distributed as dist
 
-CLOSED = "closed:"
+CLOSED = 1 << 32  # what a closer adds: far above any world size
 
 
 class Verdict(StrEnum):
@@ -27,48 +30,33 @@ def vote_key(generation: int, step: int) -> str:
     return f"gen/{generation}/vote/{step}"
 
 
-def _voters(value: str) -> set[int]:
-    body = value.removeprefix(CLOSED)
-    return {int(r) for r in body.split(",")} if body else set()
-
-
-def _value(voters: set[int]) -> str:
-    return ",".join(str(r) for r in sorted(voters))
-
-
 def _finish(store: dist.Store, key: str, verdict: Verdict) -> Verdict:
     store.set(f"{key}/verdict", verdict.value)
     return verdict
 
 
-def cast(store: dist.Store, key: str, rank: int, world_size: int) -> Verdict | None:
-    """Add this rank's vote; the verdict if the vote is now final, else None (wait for it)."""
-    current = ""
-    while True:
-        if current.startswith(CLOSED):
-            return Verdict.ABORTED
-        voters = _voters(current) | {rank}
-        desired = _value(voters)
-        current = store.compare_set(key, current, desired).decode()
-        if current == desired:
-            break
-    if len(voters) == world_size:
+def cast(store: dist.Store, key: str, world_size: int) -> Verdict | None:
+    """Add this member's vote; the verdict if the vote is now final, else None (wait for it)."""
+    count = store.add(key, 1)
+    if count >= CLOSED:  # closed before this vote came: it was not full then
+        return _finish(store, key, Verdict.ABORTED)
+    if count == world_size:
         return _finish(store, key, Verdict.COMMITTED)
     return None
 
 
 def close(store: dist.Store, key: str, world_size: int) -> Verdict:
-    """Close the vote unless it is already full; return (and publish) its final verdict."""
-    current = ""
-    while True:
-        if current.startswith(CLOSED):
-            return _finish(store, key, Verdict.ABORTED)
-        if len(_voters(current)) == world_size:
-            return _finish(store, key, Verdict.COMMITTED)
-        desired = CLOSED + current
-        current = store.compare_set(key, current, desired).decode()
-        if current == desired:
-            return _finish(store, key, Verdict.ABORTED)
+    """Close the vote unless it is already full; return (and publish) its final verdict. The
+    first closer settles it; a later one knows it too unless every member had voted by then (a
+    vote full before the first close commits, one filled after it aborts): then it waits for
+    the verdict like a voter."""
+    count = store.add(key, CLOSED)
+    votes, closes = count % CLOSED, count // CLOSED
+    if closes == 1:
+        return _finish(store, key, Verdict.COMMITTED if votes == world_size else Verdict.ABORTED)
+    if votes < world_size:
+        return _finish(store, key, Verdict.ABORTED)
+    return wait(store, key)
 
 
 def wait(store: dist.Store, key: str) -> Verdict:

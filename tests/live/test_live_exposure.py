@@ -77,10 +77,10 @@ class Intruder:
         for step in range(STEPS):
             key = vote.vote_key(0, step)
             if step % 2:  # every member "voted": a rank would commit alone
-                self.forged[key] = ",".join(str(r) for r in range(WORLD))
+                self.forged[key] = str(WORLD)
                 self.forged[f"{key}/verdict"] = vote.Verdict.COMMITTED.value
             else:  # "closed": every member would abort a healthy step and wait for a regroup
-                self.forged[key] = vote.CLOSED
+                self.forged[key] = str(vote.CLOSED)
         self.forged[f"{barrier.name(0, 'done')}/result"] = barrier.SUPERSEDED
         self.forged["spare/0"] = json.dumps({"rank": 0, "generation": 1})
         for key, value in self.forged.items():
