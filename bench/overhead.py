@@ -1,7 +1,8 @@
 """Steady-state cost per step of the trainer hook against plain torch, same model, data and loop.
 
     python bench/overhead.py [--models gpt mlp] [--worlds 2 4] [--steps 60] [--repeats 3]
-    python bench/overhead.py --quick      # CI: the MLP on 2 ranks, a few steps, nothing asserted
+    python bench/overhead.py --phases 40 [--phase-steps 24] [--sides hook-ddp hook-hsdp] ...
+    python bench/overhead.py --quick [--phases 2]  # CI: the MLP on 2 ranks, nothing asserted
 
 Sides (bench/overhead_rank.py runs every one of them through the same step loop):
 
@@ -30,19 +31,31 @@ repeats" (under 5: their range covers the median with under 90 %). Results:
 bench/results/overhead.json (with the load average around every run), a table, and
 bench/results/overhead.png; ``--render`` summarizes a JSON written before again. It measures;
 it asserts nothing.
+
+``--phases N`` measures differently, because on a shared machine separate runs half a minute
+apart meet different machines: each hook side and its baseline run at once and take turns
+(bench/turns.py), N phases of ``--phase-steps`` steps each, the first of each pair of phases
+rotating; the first steps of a phase (after its wait) are left out. Each pair of neighbouring
+phases is a paired overhead, so one run gives N pairs a second or two apart. The job that waits
+is not stopped: its threads and its agent go on, and what the waiting hook job takes of the
+cores beyond what the waiting baseline takes is added to every paired overhead (the most it
+could have slowed the baseline), so the verdict errs against the hook. "Job CPU" is then every
+process of the job (ranks, agent, fork server) per step of its phases.
 """
 
 from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import json
 import math
 import os
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +68,8 @@ from matplotlib import pyplot as plt
 from overhead_rank import MODELS, plain_rank, read_times
 from rich.console import Console
 from rich.markup import escape
+from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
+from turns import Gates, Turns
 
 from flashrecovery.demo.job import LaunchedJob
 
@@ -64,6 +79,7 @@ WARMUP = 5  # first steps pay one-time costs (allocations, gloo buffers)
 GOAL_PCT = 5.0  # the step time the hook may add (issue: "a step path as fast as DDP")
 CONFIDENCE = 0.9  # how surely the interval of the overhead's median must hold it
 AGENT_SAMPLE_S = 0.1  # how often the agent's CPU time is read while a hook side runs
+PHASE_SKIP = 2  # taking turns: the first steps of a phase, after a wait, are left out
 
 
 @dataclass(frozen=True)
@@ -87,10 +103,10 @@ SIDES = {
 CpuSamples = list[tuple[float, float]]  # (unix time, the agent's CPU seconds so far)
 
 
-def hook_run(
-    side: Side, model: str, world: int, steps: int, out: Path, timeout: float
-) -> CpuSamples:
-    """The job under ``flashrecovery run``; its agent's CPU time, sampled while it runs."""
+def hook_job(
+    side: Side, model: str, world: int, steps: int, out: Path, gates: Gates | None = None
+) -> LaunchedJob:
+    """The job under ``flashrecovery run`` (started on entering it)."""
     spec = replace(
         job_spec(out.name, out.parent, nproc=world, spares=0, steps=steps),
         parallel=side.parallel,  # hsdp: the job gets --shards
@@ -98,10 +114,57 @@ def hook_run(
         script_args=(
             *("--model", model, "--parallel", side.parallel),
             *("--steps", str(steps), "--out", str(out / "times")),
+            *(gates.args() if gates is not None else ()),
         ),
     )
+    return LaunchedJob(spec)
+
+
+class PlainJob:
+    """A baseline's ranks: plain torch in processes of their own, on a store of the bench's."""
+
+    def __init__(
+        self, side: Side, model: str, world: int, steps: int, out: Path, gates: Gates | None = None
+    ) -> None:
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        args = (world, self._store.port, model, side.parallel, steps, str(out / "times"))
+        self._context = mp.start_processes(
+            plain_rank,
+            args=(*args, side.stable, gates),
+            nprocs=world,
+            join=False,
+            start_method="spawn",
+        )
+
+    def __enter__(self) -> PlainJob:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for process in self._context.processes:
+            if process.is_alive():
+                process.kill()
+            process.join(5)
+
+    @property
+    def pids(self) -> list[int]:
+        return [process.pid for process in self._context.processes]
+
+    def wait(self, timeout: float) -> int | None:
+        """0 once every rank ended well, a rank's failure's code, None while they run."""
+        try:
+            return 0 if self._context.join(timeout=timeout) else None
+        except ProcessExitedException as exc:
+            return exc.exit_code or 1
+        except ProcessException:  # a rank raised
+            return 1
+
+
+def hook_run(
+    side: Side, model: str, world: int, steps: int, out: Path, timeout: float
+) -> CpuSamples:
+    """The job under ``flashrecovery run``; its agent's CPU time, sampled while it runs."""
     samples: CpuSamples = []
-    with LaunchedJob(spec) as job:
+    with hook_job(side, model, world, steps, out) as job:
         agent = psutil.Process(job.pid)
         deadline = time.monotonic() + timeout
         code = None
@@ -121,24 +184,13 @@ def hook_run(
 def plain_run(
     side: Side, model: str, world: int, steps: int, out: Path, timeout: float
 ) -> CpuSamples:
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    context = mp.start_processes(
-        plain_rank,
-        args=(world, store.port, model, side.parallel, steps, str(out / "times"), side.stable),
-        nprocs=world,
-        join=False,
-        start_method="spawn",
-    )
     deadline = time.monotonic() + timeout
-    try:
-        while not context.join(timeout=1.0):
+    with PlainJob(side, model, world, steps, out) as job:
+        while (code := job.wait(1.0)) is None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the {side.parallel} baseline did not finish in {timeout:.0f}s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-            process.join(5)
+    if code != 0:
+        raise RuntimeError(f"the {side.parallel} baseline ended with {code}")
     return []  # no agent
 
 
@@ -166,6 +218,97 @@ def run(
         "parts_ms": parts,
         "step_ms": [round(t * 1000, 3) for r in steady for t in r["total"]],
     }
+
+
+def take_turns(
+    name: str, model: str, world: int, phases: int, every: int, tmp: Path, timeout: float
+) -> dict[str, Any]:
+    """A hook side and its baseline running at once, taking turns (bench/turns.py): ``phases``
+    phases of ``every`` steps each, the first of each pair rotating. Per phase: when it ran,
+    the CPU its job took (every process), and the CPU the waiting job took meanwhile."""
+    names = (SIDES[name].baseline or "", name)
+    steps = WARMUP + phases * every + 1  # the last gate lets both through to one step more
+    turns: dict[str, Turns] = {}
+    record: list[dict[str, Any]] = []
+    with contextlib.ExitStack() as stack:
+        jobs: dict[str, LaunchedJob | PlainJob] = {}
+        for side_name in names:
+            side, out = SIDES[side_name], tmp / f"{model}-{world}-{name}-turns" / side_name
+            turns[side_name] = Turns(out / "gates", world)
+            stack.callback(turns[side_name].close)
+            gates = Gates(str(out / "gates"), WARMUP, every)
+            job: LaunchedJob | PlainJob = (hook_job if side.hook else PlainJob)(
+                side, model, world, steps, out, gates
+            )
+            stack.enter_context(job)
+            jobs[side_name] = job
+
+        def alive(side_name: str) -> Callable[[], bool]:
+            return lambda: jobs[side_name].wait(0) is None
+
+        for side_name in names:
+            turns[side_name].wait_at(WARMUP, timeout, alive(side_name))
+        processes = {n: _processes(jobs[n]) for n in names}  # all of them exist by now
+        for phase in range(phases):
+            for side_name in names if phase % 2 == 0 else names[::-1]:
+                waiting = names[1 - names.index(side_name)]
+                before, started = {n: _cpu_s(processes[n]) for n in names}, time.time()
+                turns[side_name].let_through()
+                turns[side_name].wait_at(WARMUP + (phase + 1) * every, timeout, alive(side_name))
+                after, ended = {n: _cpu_s(processes[n]) for n in names}, time.time()
+                record.append(
+                    {
+                        "side": side_name,
+                        "phase": phase,
+                        "started": started,
+                        "seconds": ended - started,
+                        "job_cpu_s": sum(after[side_name]) - sum(before[side_name]),
+                        "agent_cpu_s": after[side_name][1] - before[side_name][1],
+                        "waiting_cpu_s": sum(after[waiting]) - sum(before[waiting]),
+                        "load_1m": os.getloadavg()[0],
+                    }
+                )
+        deadline = time.monotonic() + timeout
+        for side_name in names:
+            turns[side_name].let_through()
+        for side_name in names:
+            while (code := jobs[side_name].wait(1.0)) is None and time.monotonic() < deadline:
+                pass
+            if code != 0:
+                raise RuntimeError(f"{side_name} taking turns ended with {code}")
+    pair = tmp / f"{model}-{world}-{name}-turns"
+    times = {n: read_times(pair / n / "times", world) for n in names}
+    return {
+        "model": model,
+        "world_size": world,
+        "turns": {"phases": phases, "steps_per_phase": every, "skipped_per_phase": PHASE_SKIP},
+        "phases": record,
+        "ranks": {n: [asdict(r) for r in times[n]] for n in names},
+    }
+
+
+def _processes(job: LaunchedJob | PlainJob) -> tuple[list[psutil.Process], list[psutil.Process]]:
+    """A job's ranks, and its other processes (a hook job's agent and fork server)."""
+    if isinstance(job, PlainJob):
+        return [psutil.Process(pid) for pid in job.pids], []
+    agent = psutil.Process(job.pid)
+    tree = [agent, *agent.children(recursive=True)]
+    ranks = [p for p in tree if p.pid != job.pid and RANK_SCRIPT.name in " ".join(p.cmdline())]
+    return ranks, [p for p in tree if p not in ranks]
+
+
+def _cpu_s(processes: tuple[list[psutil.Process], list[psutil.Process]]) -> tuple[float, float]:
+    """CPU seconds so far: the ranks', the rest's."""
+
+    def total(group: list[psutil.Process]) -> float:
+        seconds = 0.0
+        for process in group:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                cpu = process.cpu_times()
+                seconds += cpu.user + cpu.system
+        return seconds
+
+    return total(processes[0]), total(processes[1])
 
 
 def _median_ms(seconds: list[float]) -> float:
@@ -230,6 +373,70 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             sides[name]["bitwise_equal_to_baseline"] = all(
                 a["params_sha256"] == b["params_sha256"] for a, b in pairs
             )
+    return sides
+
+
+def summarize_turns(result: dict[str, Any]) -> dict[str, Any]:
+    """Both sides of a ``take_turns`` run, and the hook side against its baseline phase by
+    phase (each pair of neighbouring phases is a paired overhead). The waiting job's CPU is
+    charged against the hook: what the waiting hook job takes beyond what the waiting baseline
+    takes, as a share of the machine's cores, is added to every paired overhead (the most it
+    could have slowed the baseline's phases), so the verdict errs against the hook."""
+    every, skip = result["turns"]["steps_per_phase"], result["turns"]["skipped_per_phase"]
+    base_name, hook_name = list(result["ranks"])
+    sides: dict[str, Any] = {}
+    phase_ms: dict[str, dict[int, float]] = {}
+    for name, ranks in result["ranks"].items():
+        phases = [p for p in result["phases"] if p["side"] == name]
+        by_phase: dict[int, list[dict[str, float]]] = {}
+        for r in ranks:
+            for i, step in enumerate(r["step"]):
+                phase, offset = divmod(step - WARMUP, every)
+                if step >= WARMUP and offset >= skip and phase < result["turns"]["phases"]:
+                    by_phase.setdefault(phase, []).append({p: r[p][i] for p in PARTS})
+        phase_ms[name] = {k: _median_ms([s["total"] for s in v]) for k, v in by_phase.items()}
+        steps = [s for v in by_phase.values() for s in v]
+        totals = [1000 * s["total"] for s in steps]
+        deciles = statistics.quantiles(totals, n=10)
+        parts = {part: _median_ms([s[part] for s in steps]) for part in PARTS[1:]}
+        parts["job_cpu"] = statistics.median(1000 * p["job_cpu_s"] / every for p in phases)
+        parts["agent_cpu"] = statistics.median(1000 * p["agent_cpu_s"] / every for p in phases)
+        sides[name] = {
+            "median_ms": statistics.median(totals),
+            "p10_ms": deciles[0],
+            "p90_ms": deciles[-1],
+            "run_medians_ms": list(phase_ms[name].values()),
+            "parts_ms": parts,
+            "waiting_cpu_ms_per_s": statistics.median(
+                1000 * p["waiting_cpu_s"] / p["seconds"]
+                for p in result["phases"]
+                if p["side"] != name
+            ),
+        }
+    pairs = sorted(set(phase_ms[hook_name]) & set(phase_ms[base_name]))
+    cores = os.cpu_count() or 1
+    bias = (sides[hook_name]["waiting_cpu_ms_per_s"] - sides[base_name]["waiting_cpu_ms_per_s"]) / (
+        10 * cores
+    )  # ms/s over the cores' 1000 ms/s each, in percent
+    per_pair = [
+        100 * (phase_ms[hook_name][k] / phase_ms[base_name][k] - 1) + max(bias, 0.0) for k in pairs
+    ]
+    low, high, coverage = median_interval(per_pair)
+    hook, base = sides[hook_name], sides[base_name]
+    hook.update(
+        {
+            "baseline": base_name,
+            "overhead_pct": statistics.median(per_pair),
+            "overhead_pct_per_repeat": per_pair,
+            "overhead_pct_interval": {"low": low, "high": high, "coverage": coverage},
+            "waiting_bias_pct": max(bias, 0.0),
+            "within_goal": verdict(low, high, coverage),
+            "job_cpu_overhead_pct": 100
+            * (hook["parts_ms"]["job_cpu"] / base["parts_ms"]["job_cpu"] - 1),
+            "bitwise_equal_to_baseline": result["ranks"][hook_name][0]["params_sha256"]
+            == result["ranks"][base_name][0]["params_sha256"],
+        }
+    )
     return sides
 
 
@@ -314,6 +521,14 @@ def main() -> None:
         "--repeats", type=int, default=5, help="runs of each side (5 or more decide the goal)"
     )
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run at most")
+    parser.add_argument(
+        "--phases",
+        type=int,
+        default=0,
+        help="take turns instead (bench/turns.py): each hook side and its baseline run at once, "
+        "PHASES phases each of --phase-steps steps",
+    )
+    parser.add_argument("--phase-steps", type=int, default=30, help="steps per phase")
     parser.add_argument("--quick", action="store_true", help="CI: the MLP, 2 ranks, one run")
     parser.add_argument(
         "--render", type=Path, metavar="JSON", help="summarize the runs of an earlier JSON again"
@@ -323,11 +538,15 @@ def main() -> None:
     if args.render is not None:
         data = json.loads(args.render.read_text())
         for result in data["results"]:
-            result["sides"] = summarize(result["runs"])
+            if "phases" in result:
+                result["sides"] = summarize_turns(result)
+            else:
+                result["sides"] = summarize(result["runs"])
         report(console, data)
         return
     if args.quick:
         args.models, args.worlds, args.steps, args.repeats = ["mlp"], [2], WARMUP + 7, 1
+        args.phase_steps = PHASE_SKIP + 3
     if any(w % 2 for w in args.worlds) and {"hsdp", "hook-hsdp"} & set(args.sides):
         parser.error("HSDP runs a (ranks / 2) x 2 mesh: give even --worlds")
     torch.set_num_threads(1)
@@ -335,6 +554,26 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="flashrecovery-overhead-") as tmp:
         for model in args.models:
             for world in args.worlds:
+                if args.phases:
+                    for name in args.sides:
+                        if SIDES[name].baseline is None:
+                            continue
+                        console.print(
+                            f"{model}, {world} ranks: {name} and {SIDES[name].baseline} taking "
+                            f"{args.phases} turns of {args.phase_steps} steps"
+                        )
+                        result = take_turns(
+                            name,
+                            model,
+                            world,
+                            args.phases,
+                            args.phase_steps,
+                            Path(tmp),
+                            args.timeout,
+                        )
+                        result["sides"] = summarize_turns(result)
+                        results.append(result)
+                    continue
                 console.print(f"{model}, {world} ranks: {args.repeats} x {', '.join(args.sides)}")
                 runs: list[dict[str, Any]] = []
                 failed: list[dict[str, Any]] = []
@@ -361,6 +600,8 @@ def main() -> None:
                     }
                 )
     settings = {
+        "phases": args.phases,
+        "phase_steps": args.phase_steps,
         "steps": args.steps,
         "warmup_steps": WARMUP,
         "repeats": args.repeats,
@@ -373,8 +614,20 @@ def report(console: Console, data: dict[str, Any]) -> None:
     """Write the JSON, print the table, draw the plot."""
     path = write_json("overhead", data)
     results = data["results"]
-    loads = [load for r in results for run in r["runs"] for load in run["load_1m_before_after"]]
+    loads = [
+        load for r in results for run in r.get("runs", ()) for load in run["load_1m_before_after"]
+    ]
+    loads += [phase["load_1m"] for r in results for phase in r.get("phases", ())]
     console.print(overhead_table(results, min(loads), max(loads)))
+    for r in results:
+        if "phases" in r:
+            base, hook = (r["sides"][n] for n in r["ranks"])
+            console.print(
+                f"{r['model']}, {r['world_size']} ranks, taking turns: while waiting, the hook's "
+                f"job took {hook['waiting_cpu_ms_per_s']:.1f} ms of CPU a second, the "
+                f"baseline's {base['waiting_cpu_ms_per_s']:.1f}; each paired overhead includes "
+                f"{hook['waiting_bias_pct']:+.2f} % for the difference"
+            )
     console.print(f"written {path} and {plot(results)}")
 
 

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
+from turns import Gate, Gates
 
 from flashrecovery.demo.data import BLOCK_SIZE, batch_for, vocabulary
 from flashrecovery.demo.job import HSDP_SHARDS
@@ -50,6 +51,7 @@ class StepTimes:
 
     rank: int
     params_sha256: str = ""
+    step: list[int] = field(default_factory=list)  # each committed step's number
     total: list[float] = field(default_factory=list)  # end of the previous step to end of this
     compute: list[float] = field(default_factory=list)  # zero_grad, batch, forward, backward
     commit: list[float] = field(default_factory=list)  # session.commit() (0 without the hook)
@@ -116,11 +118,13 @@ def train(
     mesh: DeviceMesh | None,
     session: Session | None,
     stable: bool = False,
+    gate: Gate | None = None,
 ) -> StepTimes:
     """Build, wrap and train; with a session every step commits through it (the hook's own
     reduce when ``parallel`` is "hook"), and the caller's optimizer steps when it commits.
     ``stable``: DDP on the hook's stable group without a session, its buckets settled as
-    ``register()`` settles them."""
+    ``register()`` settles them. ``gate``: the rank waits for its job's turn at the gate steps
+    (bench/turns.py), the wait counted in no step."""
     model, batch = model_and_data(name)
     forward = wrap(model, parallel, mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
@@ -133,6 +137,8 @@ def train(
         ddp.settle_buckets(forward)
     last, last_cpu = time.perf_counter(), time.process_time()
     for step in step_range:
+        if gate is not None and gate.passes(step):
+            last, last_cpu = time.perf_counter(), time.process_time()
         optimizer.zero_grad(set_to_none=True)
         x, y = batch(step, rank, world)
         loss = loss_of(name, forward(x), y)
@@ -145,6 +151,7 @@ def train(
             optimizer.step()
         now, cpu = time.perf_counter(), time.process_time()
         if committed:
+            times.step.append(step)
             times.total.append(now - last)
             times.compute.append(computed - last)
             times.commit.append(voted - computed)
@@ -157,7 +164,15 @@ def train(
 
 
 def plain_rank(
-    rank: int, world: int, port: int, name: str, parallel: str, steps: int, out: str, stable: bool
+    rank: int,
+    world: int,
+    port: int,
+    name: str,
+    parallel: str,
+    steps: int,
+    out: str,
+    stable: bool,
+    gates: Gates | None = None,
 ) -> None:
     """One rank of a baseline: plain torch on gloo, its own store (spawned: module level);
     ``stable``: over the hook's stable group instead (generation 0 for the whole run).
@@ -176,7 +191,8 @@ def plain_rank(
     mesh = None
     if parallel == "hsdp":
         mesh = init_device_mesh("cpu", hsdp_shape(world), mesh_dim_names=("replicate", "shard"))
-    train(name, parallel, steps, rank, world, mesh, None, stable).write(Path(out))
+    gate = None if gates is None else gates.open(rank)
+    train(name, parallel, steps, rank, world, mesh, None, stable, gate).write(Path(out))
     dist.barrier()  # no rank leaves while another is still in a collective
     # Skip torch's teardown, as the hook's ranks do: it aborted a gpt baseline ("terminate
     # called without an active exception") after its times were written.
@@ -190,7 +206,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--parallel", choices=PARALLEL, required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--gates",
+        nargs=3,
+        metavar=("DIR", "FIRST", "EVERY"),
+        help="take turns with another job (bench/turns.py): gates at FIRST, then every EVERY",
+    )
     args = parser.parse_args(argv)
+    gates = None
+    if args.gates is not None:
+        gates = Gates(args.gates[0], int(args.gates[1]), int(args.gates[2]))
     session = init()
     mesh = None
     if args.parallel == "hsdp":
@@ -198,8 +223,10 @@ def main(argv: list[str]) -> int:
     elif args.parallel == "ddp":
         session.process_group()
     with session:
+        rank, world = session.rank, session.world_size
+        gate = None if gates is None else gates.open(rank)
         times = train(
-            args.model, args.parallel, args.steps, session.rank, session.world_size, mesh, session
+            args.model, args.parallel, args.steps, rank, world, mesh, session, False, gate
         )
     times.write(args.out)
     return 0
