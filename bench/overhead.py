@@ -227,13 +227,14 @@ def take_turns(
     phases of ``every`` steps each, the first of each pair rotating. Per phase: when it ran,
     the CPU its job took (every process), and the CPU the waiting job took meanwhile."""
     names = (SIDES[name].baseline or "", name)
+    pair = tmp / f"{model}-{world}-{name}-turns"
     steps = WARMUP + phases * every + 1  # the last gate lets both through to one step more
     turns: dict[str, Turns] = {}
     record: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
         jobs: dict[str, LaunchedJob | PlainJob] = {}
         for side_name in names:
-            side, out = SIDES[side_name], tmp / f"{model}-{world}-{name}-turns" / side_name
+            side, out = SIDES[side_name], pair / side_name
             turns[side_name] = Turns(out / "gates", world)
             stack.callback(turns[side_name].close)
             gates = Gates(str(out / "gates"), WARMUP, every)
@@ -276,7 +277,6 @@ def take_turns(
                 pass
             if code != 0:
                 raise RuntimeError(f"{side_name} taking turns ended with {code}")
-    pair = tmp / f"{model}-{world}-{name}-turns"
     times = {n: read_times(pair / n / "times", world) for n in names}
     return {
         "model": model,
@@ -415,12 +415,9 @@ def summarize_turns(result: dict[str, Any]) -> dict[str, Any]:
         }
     pairs = sorted(set(phase_ms[hook_name]) & set(phase_ms[base_name]))
     cores = os.cpu_count() or 1
-    bias = (sides[hook_name]["waiting_cpu_ms_per_s"] - sides[base_name]["waiting_cpu_ms_per_s"]) / (
-        10 * cores
-    )  # ms/s over the cores' 1000 ms/s each, in percent
-    per_pair = [
-        100 * (phase_ms[hook_name][k] / phase_ms[base_name][k] - 1) + max(bias, 0.0) for k in pairs
-    ]
+    excess = sides[hook_name]["waiting_cpu_ms_per_s"] - sides[base_name]["waiting_cpu_ms_per_s"]
+    charge = max(excess / (10 * cores), 0.0)  # ms/s over the cores' 1000 ms/s each, in percent
+    per_pair = [100 * (phase_ms[hook_name][k] / phase_ms[base_name][k] - 1) + charge for k in pairs]
     low, high, coverage = median_interval(per_pair)
     hook, base = sides[hook_name], sides[base_name]
     hook.update(
@@ -429,7 +426,7 @@ def summarize_turns(result: dict[str, Any]) -> dict[str, Any]:
             "overhead_pct": statistics.median(per_pair),
             "overhead_pct_per_repeat": per_pair,
             "overhead_pct_interval": {"low": low, "high": high, "coverage": coverage},
-            "waiting_bias_pct": max(bias, 0.0),
+            "waiting_bias_pct": charge,
             "within_goal": verdict(low, high, coverage),
             "job_cpu_overhead_pct": 100
             * (hook["parts_ms"]["job_cpu"] / base["parts_ms"]["job_cpu"] - 1),
