@@ -3,10 +3,11 @@ agent's store, so a new generation never meets the keys of an old one. Every key
 lives under its secret prefix (agent/store.py).
 
 A group connects lazily: building it only publishes this rank's address and waits for nobody;
-a pair of ranks connects on first use. Forming a generation connects the pairs every step uses
-(each rank's two ring neighbours: gloo's all-reduce is a ring), and a restore connects each
-donor with its recipients before the state moves, so a rank waits for the peers it talks to,
-never for the whole world, and forming costs the same at any world size.
+a pair of ranks connects on first use. Forming a generation whose steps the hook reduces
+connects the pairs every step uses (each rank's two ring neighbours: gloo's all-reduce is a
+ring), and a restore connects each donor with its recipients before the state moves (with the
+user's own DDP or FSDP2 only they have a hook's group at all), so a rank waits for the peers it
+talks to, never for the whole world, and forming costs the same at any world size.
 
 Every wait for a peer is bounded without leaving an operation behind: the wait for a peer to
 arrive is a supersedable store wait in Python, and gloo's own wait for a connection is bounded
@@ -212,16 +213,18 @@ def build(
     world_size: int,
     superseded: Callable[[], bool],
     pairs: dist.Store | None = None,
+    peers: Iterable[int] | None = None,
 ) -> Group:
-    """Generation ``generation``'s gloo group under ``gen/{g}/``, connected to this rank's ring
-    neighbours; no other member is waited for. A neighbour that never arrives is given up on
-    once ``superseded()`` says a newer generation is planned. ``pairs`` is the store client
-    gloo reads peers' addresses through later, from its own threads (default ``store``)."""
+    """Generation ``generation``'s gloo group under ``gen/{g}/``, connected to ``peers`` (by
+    default this rank's ring neighbours); no other member is waited for. A peer that never
+    arrives is given up on once ``superseded()`` says a newer generation is planned. ``pairs``
+    is the store client gloo reads peers' addresses through later, from its own threads
+    (default ``store``)."""
     prefixed = dist.PrefixStore(f"gen/{generation}/", store if pairs is None else pairs)
     group = LazyGloo(prefixed, rank, world_size)
     arrivals = _arrivals(store, generation, superseded)
     arrivals.set(_arrived(rank), "1")  # gloo published this rank's address: peers may connect
-    connect(group, arrivals, ring_neighbours(rank, world_size))
+    connect(group, arrivals, ring_neighbours(rank, world_size) if peers is None else peers)
     return group
 
 

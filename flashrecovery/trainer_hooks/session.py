@@ -103,7 +103,11 @@ class Session:
         self._rank = env.rank
         self._generation = env.generation
         self._committed_step = -1
+        self._formed: int | None = None  # the generation this rank is a member of, once formed
+        self._first_form_due = False  # joined generation 0; it forms once the groups are known
+        # The hook's own gloo group of that generation (``_form``, ``_hook_group``).
         self._group: Group | None = None
+        self._connected: set[int] = set()  # the peers its pairs are connected with
         self._model: torch.nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._extras: dict[str, Stateful] = {}
@@ -130,7 +134,7 @@ class Session:
         self._heartbeat.start()
         try:
             if env.role == "rank" and not env.replacement and self._barrier(0, "members"):
-                self._form(0)
+                self._first_form_due = True
                 self._append(
                     RankJoined,
                     rank=self.rank,
@@ -202,6 +206,7 @@ class Session:
                 self._report_ready()
                 self._await_assignment()
             stable_group.init_process_group(self._stable, self._store, self.rank, self.world_size)
+            self._form_first()
         elif not self._stable.in_use:
             raise ConfigError(
                 "torch.distributed is already initialized: let session.process_group() (or "
@@ -270,7 +275,8 @@ class Session:
             raise RuntimeError("call session.register(model, optimizer) before training")
         if self._rank is None:
             self._await_assignment()
-        if self._group is None:
+        self._form_first()
+        if self._formed is None:
             self._rejoin(self._generation)  # a replacement, or generation 0 never formed
 
     def _begin_step(self) -> int:
@@ -329,13 +335,14 @@ class Session:
         step, self._open_step = self._open_step, None
         if step is None:
             raise RuntimeError("session.commit() outside a step of session.steps()")
-        assert self._group is not None and self._model is not None and self._optimizer is not None
+        assert self._formed is not None and self._model is not None and self._optimizer is not None
         self._fault("before_reduce", step)
         self._waiting = True  # heartbeats now say: held up by the peers, if anyone
         try:
             reduced = None
             if not self._stable.in_use:
                 params = [p for p in self._model.parameters() if p.requires_grad]
+                assert self._group is not None  # formed with the hook's own reduce (_form)
                 reduced = ReducedGradients.reduce(self._group, params, self._superseded)
             self._fault("after_reduce", step)
             failure = self._stable.error()  # a collective of the user's failed this step
@@ -503,8 +510,8 @@ class Session:
             self._generation = generation
             try:
                 self._fault("regroup", self._committed_step)
-                # No barrier of all members: forming waits for the ring neighbours only
-                # (groups.py), and the engine plans the resume once every member regrouped.
+                # No barrier of all members: forming waits for nobody (groups.py), and the
+                # engine plans the resume once every member regrouped.
                 if not self._superseded():
                     self._fault("group_build", self._committed_step)
                     self._form(generation)
@@ -545,23 +552,18 @@ class Session:
         """Each shard's donors send its state (DTensor local shards only) to that shard's
         recipients, each donor its stripe of the replicated part; donors of different shards
         send at the same time."""
-        assert self._group is not None
         shard = self._shard_of(self.rank)
         donors = plan.donors_of(shard)
         # Every donor and recipient of a shard connect first (groups.py): a recipient waiting
         # for a donor still busy with another recipient must not wait on an unconnected pair.
         recipients = [r for r in plan.recipients if self._shard_of(r) == shard]
-        if self.rank in donors or self.rank in recipients:
-            peers = recipients if self.rank in donors else donors
-            groups.connect_peers(
-                self._group, self._store, self._generation, peers, self._superseded
-            )
         if self.rank in donors:
             stripe = transfer.Stripe(donors.index(self.rank), len(donors))
             own = self._own() if stripe.index == 0 else None
+            group = self._hook_group(recipients)
             for recipient in recipients:
                 transfer.send(
-                    self._group,
+                    group,
                     recipient,
                     self._replicated(),
                     own,
@@ -572,7 +574,8 @@ class Session:
             started = time.perf_counter()
             # Its own tensors are overwritten in place: until restored it holds no step.
             self._committed_step = -1
-            received = transfer.recv(self._group, donors, self._replicated(), self._mesh)
+            group = self._hook_group(donors)
+            received = transfer.recv(group, donors, self._replicated(), self._mesh)
             self._load({**received.replicated, **received.own})
             self._append(
                 StateTransferred,
@@ -638,23 +641,59 @@ class Session:
         self._restored_rng = state["rng"]
         self._committed_step = int(state["committed_step"])
 
+    def _form_first(self) -> None:
+        """Form generation 0, once the user's code shows whether it reduces with its own
+        groups (``process_group()``) or the hook's (the training loop starts first); a member
+        lost meanwhile sends this rank on to the generation that replaces it."""
+        if not self._first_form_due:
+            return
+        self._first_form_due = False
+        try:
+            self._form(0)
+        except RuntimeError as exc:
+            self._append(
+                CollectiveError, rank=self.rank, step=self._committed_step, error=str(exc)[:500]
+            )
+            self._recover()
+
     def _form(self, generation: int) -> None:
-        """Build the generation's groups: the hook's own, then the user's stable ones."""
-        self._group = groups.build(
-            self._store,
-            generation,
-            self.rank,
-            self.world_size,
-            self._superseded,
-            self._pairs_store,
-        )
-        # The user's groups connect lazily too: building them waits for nobody, and their
-        # pairs connect on the first collective, once the engine saw every member regroup.
+        """Join the generation: the user's stable groups are rebuilt under their handles (they
+        connect lazily, waiting for nobody: their pairs connect on the first collective, once
+        the engine saw every member regroup). The hook's own group is built and connected with
+        the ring neighbours its reduce uses unless the user's groups reduce: then it is made
+        only where a restore needs it (``_hook_group``)."""
+        if not self._stable.in_use:
+            self._hook_group(groups.ring_neighbours(self.rank, self.world_size))
         self._stable.attach(self._pairs_store, generation)
+        self._formed = generation
+
+    def _hook_group(self, peers: Iterable[int]) -> Group:
+        """The hook's own gloo group of the formed generation, connected with ``peers`` (who
+        do the same at once). Made when first needed: with the user's own parallelism only a
+        restore needs it, and only on its donors and recipients, while an idle gloo device
+        still wakes its event loop 100 times a second (docs/overhead.md)."""
+        peers = set(peers) - self._connected
+        if self._group is None:
+            self._group = groups.build(
+                self._store,
+                self._generation,
+                self.rank,
+                self.world_size,
+                self._superseded,
+                self._pairs_store,
+                peers,
+            )
+        elif peers:
+            groups.connect_peers(
+                self._group, self._store, self._generation, peers, self._superseded
+            )
+        self._connected |= peers
+        return self._group
 
     def _drop_group(self) -> None:
         self._stable.detach()
         group, self._group = self._group, None
+        self._formed, self._connected = None, set()
         if group is not None:
             groups.drop(group)
         inflight.release_finished()
@@ -687,7 +726,7 @@ class Session:
                 return None
             return SpareHeartbeat(**self._envelope(), spare_id=self._env.spare_id, pid=self._pid)
         envelope = self._envelope()
-        if self._group is None:
+        if self._formed is None:
             # Not in a group yet: an assigned spare building its model (with the user's own
             # parallelism that is after its assignment) or a rank regrouping. It is on its way
             # to the newest generation; a newer plan must not fence it as silent.

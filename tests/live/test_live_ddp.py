@@ -8,8 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from livejob import EXAMPLES, STEPS, run_job
+from livejob import EXAMPLES, STEPS, Processes, run_job
+from test_live_exposure import listening
 from test_live_recovery import assert_lossless, assert_survivors_kept
+
+from flashrecovery.records import Envelope, StepCompleted
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -26,7 +29,19 @@ def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> torch.Tensor:
 
 
 def test_ddp_kill_with_hot_spare(tmp_path: Path, ddp_reference: torch.Tensor) -> None:
-    job = run_job(tmp_path, spares=1, kill_at={1: 8}, script_args=DDP)
+    """Also: while nothing failed, each rank has one gloo device, DDP's (its one listening
+    socket): the hook builds its own group only where a restore needs it."""
+    sockets: dict[int, int] = {}
+
+    def count_gloo_devices(record: Envelope, known: Processes) -> bool:
+        if isinstance(record, StepCompleted) and record.step == 1:
+            sockets[record.rank] = len(listening(known.ranks[record.rank]))
+        return len(sockets) == len(known.ranks) > 0
+
+    job = run_job(
+        tmp_path, spares=1, kill_at={1: 8}, script_args=DDP, scenario=[count_gloo_devices]
+    )
+    assert sockets == {0: 1, 1: 1, 2: 1}
     assert_lossless(job, ddp_reference, incidents=1)
     assert_survivors_kept(job, failed={1})
     activated = job.records(type="spare_activated")

@@ -32,16 +32,18 @@ def listening(pid: int) -> set[tuple[str, int]]:
 
 class Intruder:
     """A scenario step (it records, the test asserts afterwards). As soon as every rank has
-    joined: record what the job's processes listen on, then connect to the store as a stranger
-    would and write votes, a barrier outcome and a spare assignment under the key names the
-    protocol uses, each a forgery that would derail the job if it were read (a rank committing
-    alone, healthy steps aborted, a finish barrier superseded, the spare taking rank 0)."""
+    joined and committed a step (its gloo group formed as its training loop started): record
+    what the job's processes listen on, then connect to the store as a stranger would and
+    write votes, a barrier outcome and a spare assignment under the key names the protocol
+    uses, each a forgery that would derail the job if it were read (a rank committing alone,
+    healthy steps aborted, a finish barrier superseded, the spare taking rank 0)."""
 
     def __init__(self) -> None:
         self.pids: dict[str, int] = {}  # "agent" and "rank:R" -> pid
         self.listening: dict[str, set[tuple[str, int]]] = {}
         self.store_port: int | None = None
         self.committed = -1  # the highest step a rank had committed when the forgery came
+        self.ranks_committed: set[int] = set()
         self.forged: dict[str, str] = {}
         self.read_back: dict[str, str] = {}
         self.argv_with_secret: list[str] = []
@@ -50,7 +52,8 @@ class Intruder:
         """A scenario step of run_job: done once it has forged."""
         if isinstance(record, StepCompleted):
             self.committed = max(self.committed, record.step)
-        if len(known.ranks) < WORLD:
+            self.ranks_committed.add(record.rank)
+        if len(known.ranks) < WORLD or len(self.ranks_committed) < WORLD:
             return False
         self.pids = {f"rank:{rank}": pid for rank, pid in known.ranks.items()}
         self.inspect()
