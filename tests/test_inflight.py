@@ -80,6 +80,34 @@ def test_a_wait_that_ends_returns_and_leaves_nothing_behind() -> None:
     assert inflight._left_behind == []
 
 
+class _Ended(dist.Work):
+    """A collective that had ended before it was waited for (well, or with ``error``)."""
+
+    def __init__(self, error: str | None = None) -> None:
+        super().__init__()
+        self._error = error
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self, timeout: object = None) -> bool:
+        if self._error is not None:
+            raise RuntimeError(self._error)
+        return True
+
+    def get_future(self) -> torch.futures.Future[object]:
+        raise AssertionError("an ended collective was watched")
+
+
+def test_a_collective_that_ended_is_waited_for_without_a_watch() -> None:
+    """FSDP2 waits for most collectives after they ended: no callback on gloo's thread, no
+    event, no thread hand-off then, and its error is raised as it is."""
+    inflight.wait(_Ended(), object(), lambda: pytest.fail("a plan was looked for"))
+    with pytest.raises(RuntimeError, match="peer lost"):
+        inflight.wait(_Ended("peer lost"), object(), lambda: False)
+    assert inflight._left_behind == []
+
+
 @pytest.mark.parametrize("planned_first", [False, True])
 def test_a_collective_future_fails_when_poked_about_a_newer_plan_not_by_polling(
     planned_first: bool, monkeypatch: pytest.MonkeyPatch

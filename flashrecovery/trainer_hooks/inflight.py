@@ -154,7 +154,13 @@ def poke() -> None:
 
 def wait(work: dist.Work, group: object, superseded: Callable[[], bool]) -> None:
     """Wait for ``work`` (a collective of ``group``) and raise its error; raise ``Superseded``
-    once ``superseded()`` holds, leaving the work behind with its group."""
+    once ``superseded()`` holds, leaving the work behind with its group. A work already
+    complete is waited for at once: FSDP2 waits for most of its collectives after they ended,
+    and the watch (a callback that takes the GIL on gloo's thread, an event) is a hand-off
+    between two threads per collective on cores the ranks fill."""
+    if work.is_completed():
+        work.wait()
+        return
     ended = _ended(work)
     while not ended.wait(POLL_S):
         if superseded():
