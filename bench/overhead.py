@@ -29,8 +29,9 @@ the noise's shape (order statistics: up to 7 repeats it is their range, which 5 
 (all above), "undecided" (the machine's noise is wider than the question) or "too few
 repeats" (under 5: their range covers the median with under 90 %). Results:
 bench/results/overhead.json (with the load average around every run), a table, and
-bench/results/overhead.png; ``--render`` summarizes a JSON written before again. It measures;
-it asserts nothing.
+bench/results/overhead.png; ``--render`` summarizes a JSON written before again, and given
+several pools each cell's pairs over all of them (bench/results/overhead_pooled.json). It
+measures; it asserts nothing.
 
 ``--phases N`` measures differently, because on a shared machine separate runs half a minute
 apart meet different machines: each hook side and its baseline run at once and take turns
@@ -528,18 +529,21 @@ def main() -> None:
     parser.add_argument("--phase-steps", type=int, default=30, help="steps per phase")
     parser.add_argument("--quick", action="store_true", help="CI: the MLP, 2 ranks, one run")
     parser.add_argument(
-        "--render", type=Path, metavar="JSON", help="summarize the runs of an earlier JSON again"
+        "--render",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="summarize the runs of an earlier JSON again; given several, pool each cell's "
+        "pairs over all of them",
     )
     args = parser.parse_args()
     console = Console(width=170)  # the table is wide; CI logs are not a terminal
-    if args.render is not None:
-        data = json.loads(args.render.read_text())
-        for result in data["results"]:
-            if "phases" in result:
-                result["sides"] = summarize_turns(result)
-            else:
-                result["sides"] = summarize(result["runs"])
-        report(console, data)
+    if args.render:
+        earlier = [resummarize(json.loads(path.read_text())) for path in args.render]
+        if len(earlier) == 1:
+            report(console, earlier[0])
+        else:
+            report_pooled(console, args.render, pool(earlier))
         return
     if args.quick:
         args.models, args.worlds, args.steps, args.repeats = ["mlp"], [2], WARMUP + 7, 1
@@ -605,6 +609,71 @@ def main() -> None:
         "quick": args.quick,
     }
     report(console, {"machine": machine(), "settings": settings, "results": results})
+
+
+def resummarize(data: dict[str, Any]) -> dict[str, Any]:
+    """An earlier JSON's results, summarized again by this version of the bench."""
+    for result in data["results"]:
+        if "phases" in result:
+            result["sides"] = summarize_turns(result)
+        else:
+            result["sides"] = summarize(result["runs"])
+    return data
+
+
+def pool(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each cell's paired overheads over several runs (of the same code: the caller's word) as
+    one sample, so that runs too short to decide a cell alone can decide it together. Every
+    pair of every run counts, each with its own run's waiting charge; the pairs are independent
+    but meet different machines from run to run, so the interval is that of the median of the
+    runs' mixture. Cells keep the order they first appear in."""
+    cells: dict[tuple[str, int, str], dict[str, Any]] = {}
+    for data in runs:
+        for result in data["results"]:
+            for name, side in result["sides"].items():
+                if "overhead_pct_per_repeat" not in side:
+                    continue  # a baseline
+                key = (result["model"], result["world_size"], name)
+                cell = cells.setdefault(
+                    key,
+                    {"model": key[0], "world_size": key[1], "side": name, "runs": 0, "pairs": []},
+                )
+                cell["runs"] += 1
+                cell["pairs"] += side["overhead_pct_per_repeat"]
+    for cell in cells.values():
+        low, high, coverage = median_interval(cell["pairs"])
+        cell["overhead_pct"] = statistics.median(cell["pairs"])
+        cell["overhead_pct_interval"] = {"low": low, "high": high, "coverage": coverage}
+        cell["within_goal"] = verdict(low, high, coverage)
+    return list(cells.values())
+
+
+def report_pooled(console: Console, paths: list[Path], cells: list[dict[str, Any]]) -> None:
+    """Write the pooled JSON and print its table."""
+    path = write_json("overhead_pooled", {"pooled": [str(p) for p in paths], "cells": cells})
+    rows = [
+        [
+            c["model"],
+            str(c["world_size"]),
+            c["side"],
+            str(c["runs"]),
+            str(len(c["pairs"])),
+            f"{c['overhead_pct']:+.1f}% ({c['overhead_pct_interval']['low']:+.1f}…"
+            f"{c['overhead_pct_interval']['high']:+.1f} "
+            f"{c['overhead_pct_interval']['coverage']:.0%}) {c['within_goal']}",
+        ]
+        for c in cells
+    ]
+    columns = [
+        "model",
+        "ranks",
+        "side",
+        "runs",
+        "pairs",
+        f"vs baseline (interval): <= {GOAL_PCT:.0f}%?",
+    ]
+    console.print(table(f"pooled over {len(paths)} runs", columns, rows))
+    console.print(f"written {path}")
 
 
 def report(console: Console, data: dict[str, Any]) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from overhead import median_interval, verdict
+from overhead import median_interval, pool, verdict
 
 
 @pytest.mark.parametrize(
@@ -37,3 +37,37 @@ def test_the_goal_is_decided_only_when_the_whole_interval_is_on_one_side() -> No
 
 def test_an_interval_that_covers_too_little_decides_nothing() -> None:
     assert verdict(-2.0, 4.9, 0.75) == "too few repeats"  # 3 repeats: their range, 75 %
+
+
+def _run(cells: dict[tuple[str, int], list[float]]) -> dict[str, object]:
+    """A run's JSON after summarizing: each cell's baseline, and its hook side's pairs."""
+    return {
+        "results": [
+            {
+                "model": model,
+                "world_size": world,
+                "sides": {
+                    "ddp": {"median_ms": 50.0},
+                    "hook-ddp": {"overhead_pct_per_repeat": pairs},
+                },
+            }
+            for (model, world), pairs in cells.items()
+        ]
+    }
+
+
+def test_pooling_runs_joins_each_cells_pairs_and_decides_on_all_of_them() -> None:
+    first = [4.0, 5.5, 3.0, 6.0, 2.0]  # alone: the range, 2…6, undecided
+    second = [1.0, 4.5, 3.5, 2.5, 0.5, 4.0]
+    cells = pool([_run({("mlp", 2): first}), _run({("mlp", 2): second, ("gpt", 4): [1.0] * 5})])
+    assert [(c["model"], c["world_size"], c["side"], c["runs"]) for c in cells] == [
+        ("mlp", 2, "hook-ddp", 2),
+        ("gpt", 4, "hook-ddp", 1),
+    ]
+    mlp = cells[0]
+    assert mlp["pairs"] == first + second
+    low, high, coverage = median_interval(first + second)
+    assert mlp["overhead_pct_interval"] == {"low": low, "high": high, "coverage": coverage}
+    assert mlp["overhead_pct"] == 3.5
+    assert (low, high) == (2.0, 4.5)  # 11 pairs leave out the extremes that 5 could not
+    assert mlp["within_goal"] == verdict(low, high, coverage) == "yes"
