@@ -658,9 +658,7 @@ def report_pooled(console: Console, paths: list[Path], cells: list[dict[str, Any
             c["side"],
             str(c["runs"]),
             str(len(c["pairs"])),
-            f"{c['overhead_pct']:+.1f}% ({c['overhead_pct_interval']['low']:+.1f}…"
-            f"{c['overhead_pct_interval']['high']:+.1f} "
-            f"{c['overhead_pct_interval']['coverage']:.0%}) {c['within_goal']}",
+            overhead_text(c),
         ]
         for c in cells
     ]
@@ -697,19 +695,22 @@ def report(console: Console, data: dict[str, Any]) -> None:
     console.print(f"written {path} and {plot(results)}")
 
 
+def overhead_text(s: dict[str, Any]) -> str:
+    """A hook side's (or a pooled cell's) overhead, its interval and the verdict, in a cell."""
+    interval = s["overhead_pct_interval"]
+    return (
+        f"{s['overhead_pct']:+.1f}% "
+        f"({interval['low']:+.1f}…{interval['high']:+.1f} {interval['coverage']:.0%}) "
+        f"{s['within_goal']}"
+    )
+
+
 def overhead_table(results: list[dict[str, Any]], load_min: float, load_max: float) -> Any:
     rows = []
     for r in results:
         for name, s in r["sides"].items():
             parts = s["parts_ms"]
-            overhead = ""
-            if "overhead_pct" in s:
-                interval = s["overhead_pct_interval"]
-                overhead = (
-                    f"{s['overhead_pct']:+.1f}% "
-                    f"({interval['low']:+.1f}…{interval['high']:+.1f} {interval['coverage']:.0%}) "
-                    f"{s['within_goal']}"
-                )
+            overhead = overhead_text(s) if "overhead_pct" in s else ""
             rows.append(
                 [
                     r["model"],
