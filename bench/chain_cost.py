@@ -18,10 +18,11 @@ from pathlib import Path
 from harness import machine, stacked_bars, table, write_json
 from rich.console import Console
 
-from flashrecovery.chain import ChainWriter, verify
 from flashrecovery.connectors import open_log
 from flashrecovery.connectors.base import Entry
+from flashrecovery.connectors.chain import ChainWriter
 from flashrecovery.records import Envelope, Stream, dump_record
+from flashrecovery.replay.verify import verify
 
 # The scripted world (no torch) lives with the tests: tests/simworld.py.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))

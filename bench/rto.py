@@ -37,12 +37,12 @@ from typing import Any
 from harness import job_spec, machine, stacked_bars, table, write_json
 from rich.console import Console
 
-from flashrecovery.chain import handle_runs
 from flashrecovery.connectors import open_log
 from flashrecovery.demo.job import LaunchedJob
 from flashrecovery.demo.summary import incidents
 from flashrecovery.demo.watch import JobWatch, Kill, Killer, follow
 from flashrecovery.records import StepCompleted, Stream
+from flashrecovery.replay.verify import handle_runs
 from flashrecovery.statemachines.incident import PHASES
 
 MODES = {"hot spare": 1, "fresh spawn": 0}

@@ -39,7 +39,7 @@ def new_record_id() -> str:
 
 
 class ChainLink(BaseModel):
-    """A record's place in its writer's hash chain (flashrecovery/chain.py)."""
+    """A record's place in its writer's hash chain (connectors/chain.py)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -354,7 +354,7 @@ class CommitRun(BaseModel):
 
 
 class JobFinished(Envelope):
-    """The agent ends the job; the record seals the log (flashrecovery/chain.py)."""
+    """The agent ends the job; the record seals the log (connectors/chain.py)."""
 
     type: Literal["job_finished"] = "job_finished"
     status: Literal["completed", "failed"]

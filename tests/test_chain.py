@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 from simworld import SimulatedWorld, drive
 
-from flashrecovery.chain import handle_runs, read_streams, seal, verify
 from flashrecovery.cli import main
 from flashrecovery.connectors import LogConnector, open_log
+from flashrecovery.connectors.chain import read_streams, seal
 from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.records import JobFinished, StepCompleted, Stream, dump_record
+from flashrecovery.replay.verify import handle_runs, verify
 
 JOB = "chained"
 

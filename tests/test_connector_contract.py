@@ -17,7 +17,6 @@ from multiprocessing.synchronize import Event as MpEvent
 
 import pytest
 
-from flashrecovery.chain import verify as verify_chains
 from flashrecovery.connectors import Entry, LogConnector, open_log
 from flashrecovery.errors import LogError
 from flashrecovery.records import (
@@ -28,6 +27,7 @@ from flashrecovery.records import (
     Stream,
     dump_record,
 )
+from flashrecovery.replay.verify import verify as verify_chains
 
 EVENTS = Stream.EVENTS
 DECISIONS = Stream.DECISIONS

@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from flashrecovery.chain import verify as verify_chains
 from flashrecovery.connectors import commit_signal, embedded, open_log
 from flashrecovery.connectors.embedded import EmbeddedLog
 from flashrecovery.errors import LogError
 from flashrecovery.records import Heartbeat, IsolateRank, Stream
+from flashrecovery.replay.verify import verify as verify_chains
 
 
 def heartbeat(step: int) -> Heartbeat:

@@ -7,7 +7,6 @@ from simworld import SimulatedWorld, drive
 
 from flashrecovery.connectors.memory import MemoryLog
 from flashrecovery.engine.loop import EngineLoop
-from flashrecovery.engine.replay import replay_job
 from flashrecovery.records import (
     CheckpointLoaded,
     Decision,
@@ -18,6 +17,7 @@ from flashrecovery.records import (
     RegroupPlanned,
     ResumePlanned,
 )
+from flashrecovery.replay.replayer import replay_job
 from flashrecovery.statemachines.job import JobState
 
 JOB = "fallback"

@@ -10,8 +10,8 @@ from structlog.testing import capture_logs
 
 from flashrecovery.connectors.memory import MemoryLog
 from flashrecovery.engine.loop import EngineLoop
-from flashrecovery.engine.replay import replay_job
 from flashrecovery.records import Decision, RankExited, Stream
+from flashrecovery.replay.replayer import replay_job
 
 JOB = "scripted"
 VOLATILE = {"schema_version", "record_id", "job_id", "source", "ts", "chain"}

@@ -17,7 +17,6 @@ import pytest
 from kafka.admin import KafkaAdminClient
 from kafka_fixture import INDEPENDENT_CLIENTS, fresh_prefix, kafka_url, read_topic
 
-from flashrecovery.chain import verify as verify_chains
 from flashrecovery.cli import main
 from flashrecovery.connectors import LogConnector, open_log
 from flashrecovery.connectors.kafka import KafkaSettings, redact
@@ -32,6 +31,7 @@ from flashrecovery.records import (
     dump_record,
     parse_record,
 )
+from flashrecovery.replay.verify import verify as verify_chains
 
 pytestmark = pytest.mark.kafka
 WAIT_S = 60.0  # bound on a broker restart or a CLI call: never reached when green

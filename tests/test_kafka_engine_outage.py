@@ -12,9 +12,9 @@ from simworld import SimulatedWorld
 from flashrecovery.connectors import open_log
 from flashrecovery.connectors.kafka_broker import KafkaBroker
 from flashrecovery.engine.loop import EngineLoop
-from flashrecovery.engine.replay import replay_job
 from flashrecovery.errors import LogError
 from flashrecovery.records import Decision, Envelope, Stream
+from flashrecovery.replay.replayer import replay_job
 
 pytestmark = pytest.mark.kafka
 JOB = "outage"

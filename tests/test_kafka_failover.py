@@ -16,8 +16,8 @@ from flashrecovery.connectors import open_log
 from flashrecovery.connectors.base import LogConnector
 from flashrecovery.connectors.memory import MemoryLog
 from flashrecovery.engine.lease import LeaseBook
-from flashrecovery.engine.replay import replay_job
 from flashrecovery.records import Decision, EngineLease, Envelope, Stream
+from flashrecovery.replay.replayer import replay_job
 
 pytestmark = pytest.mark.kafka
 JOB = "failover"

@@ -12,10 +12,10 @@ from simworld import scripted_failure, scripted_hang
 from flashrecovery.cli import main
 from flashrecovery.connectors import open_log
 from flashrecovery.connectors.memory import MemoryLog
-from flashrecovery.engine.replay import replay_job
-from flashrecovery.observe.plot import render
-from flashrecovery.observe.timeline import build
 from flashrecovery.records import Stream
+from flashrecovery.replay.plot import render
+from flashrecovery.replay.replayer import replay_job
+from flashrecovery.replay.timeline import build
 from flashrecovery.statemachines.incident import PHASES
 
 JOB = "scripted"

@@ -13,8 +13,8 @@ from flashrecovery.cli import main
 from flashrecovery.connectors import open_log
 from flashrecovery.connectors.memory import MemoryLog
 from flashrecovery.errors import ConfigError
-from flashrecovery.observe.whatif import compare, parse_settings
 from flashrecovery.records import SpareHeartbeat, Stream
+from flashrecovery.replay.whatif import compare, parse_settings
 
 JOB = "hung"
 BEAT_S = 0.5  # the recorded heartbeat interval: a rank is missed after 3 x 0.5 s of silence

@@ -28,8 +28,8 @@ from flashrecovery.agent.nodedir import NodeDir
 from flashrecovery.agent.relay import BeatRelay
 from flashrecovery.agent.store import JobStore
 from flashrecovery.agent.supervisor import Child, Supervisor
-from flashrecovery.chain import seal
 from flashrecovery.connectors import open_log
+from flashrecovery.connectors.chain import seal
 from flashrecovery.connectors.follow import StreamCursor, append_through_outage
 from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.errors import ConfigError, LogError

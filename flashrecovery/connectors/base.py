@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from flashrecovery.chain import ChainWriter
+from flashrecovery.connectors.chain import ChainWriter
 from flashrecovery.errors import RecordError
 from flashrecovery.records import Envelope, Stream, parse_record
 

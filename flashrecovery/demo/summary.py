@@ -2,7 +2,7 @@
 the kills the demo sent: detection time, RTO and its phases, steps lost and recomputed, whether
 survivors kept their processes, whether the loss curve is continuous, whether the replay
 reproduces every decision, and (with a reference run) whether the parameters are bitwise equal.
-It also draws the run's timeline (observe/plot.py) next to the log.
+It also draws the run's timeline (replay/plot.py) next to the log.
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ from flashrecovery.connectors.base import LogConnector
 from flashrecovery.demo.job import JobSpec
 from flashrecovery.demo.results import read_results
 from flashrecovery.demo.watch import Kill
-from flashrecovery.engine.replay import replay_job
-from flashrecovery.observe.plot import plot_job
 from flashrecovery.records import (
     AssignSpare,
     IncidentClosed,
@@ -29,6 +27,8 @@ from flashrecovery.records import (
     StepCompleted,
     Stream,
 )
+from flashrecovery.replay.plot import plot_job
+from flashrecovery.replay.replayer import replay_job
 
 SPARK = "▁▂▃▄▅▆▇█"
 StepLosses = dict[int, list[tuple[int, float | None]]]  # rank -> committed (step, loss), in order

@@ -1,1 +1,2 @@
-"""Views of a job from its log: Prometheus metrics, a timeline picture, what-if replay."""
+"""A live job's Prometheus metrics, folded from its log (the `metrics` command and the agent's
+/metrics endpoint)."""

@@ -15,8 +15,8 @@ import torch
 from livejob import EXAMPLES, JobResult, Processes, Scenario, run_job
 from test_live_recovery import assert_survivors_kept
 
-from flashrecovery.engine.replay import replay_job
 from flashrecovery.records import Envelope
+from flashrecovery.replay.replayer import replay_job
 from flashrecovery.trainer_hooks.checkpoint import MARKER
 
 pytestmark = pytest.mark.timeout(300)

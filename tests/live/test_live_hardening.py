@@ -15,8 +15,8 @@ import torch
 from livejob import Processes, run_job
 from test_live_recovery import assert_lossless, assert_survivors_kept
 
-from flashrecovery.engine.replay import replay_job
 from flashrecovery.records import Envelope
+from flashrecovery.replay.replayer import replay_job
 
 pytestmark = pytest.mark.timeout(240)
 MAX_REPLACEMENTS = 3

@@ -11,9 +11,10 @@ import pytest
 from livejob import STEPS, Processes, run_job
 from scrape import Samples, free_port, scrape, value
 
-from flashrecovery.chain import read_streams, verify
+from flashrecovery.connectors.chain import read_streams
 from flashrecovery.observe.exporter import MetricsServer
 from flashrecovery.records import Envelope
+from flashrecovery.replay.verify import verify
 
 pytestmark = pytest.mark.timeout(240)
 SCRAPE_EVERY_S = 0.1

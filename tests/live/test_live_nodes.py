@@ -19,10 +19,10 @@ from nodesjob import CONTROL, committed, kill_rank, of_type, open_gate, run_node
 from scrape import free_port, scrape, value
 
 from flashrecovery.agent.loopback import LoopbackNodes
-from flashrecovery.chain import handle_runs
 from flashrecovery.connectors import open_log
-from flashrecovery.engine.replay import replay_job
 from flashrecovery.records import NodeJoined, SpareReady, Stream
+from flashrecovery.replay.replayer import replay_job
+from flashrecovery.replay.verify import handle_runs
 
 pytestmark = pytest.mark.timeout(300)
 WORLD = 4  # 2 nodes x 2 ranks

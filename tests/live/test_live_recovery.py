@@ -10,8 +10,8 @@ import pytest
 import torch
 from livejob import STEPS, WORLD, JobResult, Processes, run_job
 
-from flashrecovery.engine.replay import replay_job
 from flashrecovery.records import Envelope, Stream
+from flashrecovery.replay.replayer import replay_job
 
 pytestmark = pytest.mark.timeout(240)
 

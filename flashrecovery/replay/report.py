@@ -9,9 +9,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from flashrecovery import terminal
-from flashrecovery.chain import ChainReport
-from flashrecovery.engine.replay import ReplayReport
-from flashrecovery.observe.whatif import Comparison
+from flashrecovery.replay.replayer import ReplayReport
+from flashrecovery.replay.verify import ChainReport
+from flashrecovery.replay.whatif import Comparison
 
 
 def print_replay(report: ReplayReport, console: Console | None = None) -> None:

@@ -1,8 +1,8 @@
 """Replay a job's log through the machines and check every recorded decision.
 
 `flashrecovery replay --log URL --job ID [--until POSITION] [--json] [--plot PNG]
-[--what-if NAME=VALUE …] [--verify-chain]`: the command around the replayer (engine/replay.py)
-and its rendering (engine/report.py).
+[--what-if NAME=VALUE …] [--verify-chain]`: the command around the replayer (replay/replayer.py)
+and its rendering (replay/report.py).
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ import json
 import sys
 from pathlib import Path
 
-from flashrecovery.chain import read_streams
-from flashrecovery.chain import verify as verify_chains
 from flashrecovery.connectors import open_log
-from flashrecovery.engine.replay import replay_job
-from flashrecovery.engine.report import print_chain, print_replay, print_what_if
+from flashrecovery.connectors.chain import read_streams
 from flashrecovery.errors import ConfigError, LogError
-from flashrecovery.observe.whatif import compare, parse_settings
 from flashrecovery.records import Stream
+from flashrecovery.replay.replayer import replay_job
+from flashrecovery.replay.report import print_chain, print_replay, print_what_if
+from flashrecovery.replay.verify import verify as verify_chains
+from flashrecovery.replay.whatif import compare, parse_settings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
                 else None
             )
             if args.plot is not None:
-                from flashrecovery.observe.plot import plot_job  # matplotlib: only when asked
+                from flashrecovery.replay.plot import plot_job  # matplotlib: only when asked
 
                 plot_job(log, args.job, args.plot, report)
     except (LogError, ConfigError) as exc:

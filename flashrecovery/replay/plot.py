@@ -1,4 +1,4 @@
-"""Draw a job's timeline (observe/timeline.py) as a PNG with matplotlib, off-screen."""
+"""Draw a job's timeline (replay/timeline.py) as a PNG with matplotlib, off-screen."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 import matplotlib
 
 from flashrecovery.connectors.base import LogConnector
-from flashrecovery.engine.replay import ReplayReport, replay_job
-from flashrecovery.observe.timeline import Timeline, build
 from flashrecovery.records import Stream
+from flashrecovery.replay.replayer import ReplayReport, replay_job
+from flashrecovery.replay.timeline import Timeline, build
 from flashrecovery.statemachines.incident import PHASES
 
 matplotlib.use("Agg")  # files only, never a window

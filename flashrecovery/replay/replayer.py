@@ -1,7 +1,7 @@
 """The replayer: feed a job's recorded events through the pure engine again and check that
 it reproduces every recorded decision, stopping at the first divergence (both records kept).
 The report also tells the job's incidents: each phase's duration, the RTO and the steps lost.
-The `replay` command around it is engine/replay_command.py; its rendering, engine/report.py.
+The `replay` command around it is replay/command.py; its rendering, replay/report.py.
 """
 
 from __future__ import annotations

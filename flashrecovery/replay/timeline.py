@@ -1,9 +1,9 @@
-"""What a job's timeline picture shows, computed from its log alone (observe/plot.py draws it).
+"""What a job's timeline picture shows, computed from its log alone (replay/plot.py draws it).
 
 Lanes: one per rank (committed steps as ticks, faults marked, each incident's phases as spans),
 one per host (when its ranks were heard from, and the faults on it), one per hot spare (ready
 until taken or gone) and one for the engine lease holder. Incident phases come from the replay
-(engine/replay.py): each span lasts exactly the phase duration replay reports.
+(replay/replayer.py): each span lasts exactly the phase duration replay reports.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 from flashrecovery.connectors.base import Entry
 from flashrecovery.engine.lease import LeaseBook
-from flashrecovery.engine.replay import ReplayReport
 from flashrecovery.records import (
     CollectiveError,
     EngineLease,
@@ -28,6 +27,7 @@ from flashrecovery.records import (
     StallSuspected,
     StepCompleted,
 )
+from flashrecovery.replay.replayer import ReplayReport
 from flashrecovery.statemachines.incident import PHASES
 
 
