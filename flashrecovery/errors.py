@@ -42,7 +42,21 @@ class Rejected(FlashRecoveryError, ValueError):
 
 
 class IllegalTransition(FlashRecoveryError):
-    """A machine was asked for a transition its state does not allow: an engine fault."""
+    """A machine was asked for a transition its state does not allow: a fault of whoever drives
+    it (the engine, or the hook). When one machine was asked, ``machine``, ``trigger``,
+    ``state`` and ``stamp`` (the record that asked, if any) say which and where."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        machine: str | None = None,
+        trigger: str | None = None,
+        state: str | None = None,
+        stamp: object = None,
+    ) -> None:
+        super().__init__(message)
+        self.machine, self.trigger, self.state, self.stamp = machine, trigger, state, stamp
 
 
 class ProtocolError(FlashRecoveryError):

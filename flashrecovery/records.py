@@ -353,11 +353,18 @@ class CommitRun(BaseModel):
     ranks: list[RankId]
 
 
+class JobOutcome(StrEnum):
+    """How a job ended."""
+
+    COMPLETED = "completed"
+    FAILED = "failed"
+
+
 class JobFinished(Envelope):
     """The agent ends the job; the record seals the log (connectors/chain.py)."""
 
     type: Literal["job_finished"] = "job_finished"
-    status: Literal["completed", "failed"]
+    status: JobOutcome
     exit_code: int = 0
     detail: str = ""
     chain_heads: list[ChainHead] = Field(default_factory=list)

@@ -8,20 +8,45 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from pathlib import Path
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 from flashrecovery.connectors import open_log
 from flashrecovery.errors import ConfigError, LogError
 from flashrecovery.records import Stream
+from flashrecovery.trainer_hooks.env import GroupRebuild
 from flashrecovery.trainer_hooks.faults import Fault, FaultPlan
 
-SPARE_REFILL = ("immediate", "after-recovery")
-START_METHODS = ("forkserver", "exec")  # how the agent starts its processes (agent/forkserver.py)
 _JOB_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
 LOOPBACK = "127.0.0.1"
 MAX_NODE_WAIT_S = 50.0  # below the members' wait at the regroup barrier (groups.COLLECTIVE_TIMEOUT)
 MIN_SECRET = 16  # characters of FLASHRECOVERY_STORE_PREFIX a multi-node job needs
+
+
+E = TypeVar("E", bound=StrEnum)
+
+
+class SpareRefill(StrEnum):
+    """When a hot spare taken by a recovery is replaced in the pool."""
+
+    IMMEDIATE = "immediate"
+    AFTER_RECOVERY = "after-recovery"
+
+
+class StartMethod(StrEnum):
+    """How the agent starts its processes (agent/forkserver.py)."""
+
+    FORKSERVER = "forkserver"  # forked from one process per node that has imported torch
+    EXEC = "exec"  # a new interpreter each
+
+
+def _choice(kind: type[E], value: str, flag: str) -> E:
+    try:
+        return kind(value)
+    except ValueError:
+        raise ConfigError(f"{flag} {value!r}: expected one of {', '.join(kind)}") from None
 
 
 def is_loopback(host: str) -> bool:
@@ -78,13 +103,13 @@ class AgentConfig:
     output_dir: Path | None = None  # each child's stdout+stderr in its own file; else inherited
     max_replacements: int = 3  # the same rank failing this often at one step fails the job
     max_incidents: int | None = None  # incidents recovered at most (None: no bound)
-    spare_refill: str = "immediate"  # or "after-recovery": when a taken spare is replaced
-    start_method: str = "forkserver"  # or "exec": a new interpreter per process
+    spare_refill: SpareRefill = SpareRefill.IMMEDIATE
+    start_method: StartMethod = StartMethod.FORKSERVER
     metrics_port: int | None = None  # serve Prometheus metrics here (0: any free port)
     shards: int = 1  # model shards: rank r holds shard r % shards (a mesh's last dimension)
     checkpoint_dir: Path | None = None  # ranks save sharded checkpoints here (async, DCP)
     checkpoint_every: int = 0  # after every this many committed steps
-    group_rebuild: str = "fresh"  # or "reconfigure" (trainer_hooks/stable_group.py)
+    group_rebuild: GroupRebuild = GroupRebuild.FRESH
     # Nodes (docs/multinode.md): one agent per node; node 0's hosts the store and the engine.
     nnodes: int = 1
     node_rank: int | None = 0  # None: assigned at rendezvous ("auto")
@@ -111,6 +136,14 @@ class AgentConfig:
 
     def resolved(self) -> AgentConfig:
         """The config with defaults filled in and every argument checked (ConfigError)."""
+        return replace(
+            self,
+            spare_refill=_choice(SpareRefill, self.spare_refill, "--spare-refill"),
+            start_method=_choice(StartMethod, self.start_method, "--start-method"),
+            group_rebuild=_choice(GroupRebuild, self.group_rebuild, "--group-rebuild"),
+        )._checked()
+
+    def _checked(self) -> AgentConfig:
         if not self.script.is_file():
             raise ConfigError(f"script {str(self.script)!r} does not exist")
         if self.nproc < 1:
@@ -135,14 +168,6 @@ class AgentConfig:
             raise ConfigError(f"--checkpoint-every must be positive, got {self.checkpoint_every}")
         if self.max_incidents is not None and self.max_incidents < 1:
             raise ConfigError(f"--max-incidents must be at least 1, got {self.max_incidents}")
-        if self.spare_refill not in SPARE_REFILL:
-            raise ConfigError(
-                f"--spare-refill {self.spare_refill!r}: expected one of {', '.join(SPARE_REFILL)}"
-            )
-        if self.start_method not in START_METHODS:
-            raise ConfigError(
-                f"--start-method {self.start_method!r}: expected one of {', '.join(START_METHODS)}"
-            )
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port must be 0..65535, got {self.metrics_port}")
         self._check_nodes()

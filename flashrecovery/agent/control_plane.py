@@ -23,6 +23,8 @@ from flashrecovery.agent.store import JobStore
 from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.errors import ConfigError, LogError
 from flashrecovery.observe.exporter import MetricsServer, add_metrics_port
+from flashrecovery.records import JobOutcome
+from flashrecovery.statemachines.job import JobState
 
 STORE_TIMEOUT = datetime.timedelta(seconds=60)
 JOB_POLL_S = 0.2  # how often it looks whether node 0's agent has started the job
@@ -82,8 +84,10 @@ def run(args: argparse.Namespace) -> int:
     except (KeyboardInterrupt, LogError) as exc:
         print(f"flashrecovery control-plane: stopped: {exc!r}", file=sys.stderr)
         return 1
-    status = str(engine.state.job.state)
+    status = (
+        JobOutcome.COMPLETED if engine.state.job.state is JobState.COMPLETED else JobOutcome.FAILED
+    )
     lost = sum(node.lost for node in engine.state.nodes.values())
     wait_for_agents(store, lost, status)
-    print(f"flashrecovery: job {job_id} {status}", file=sys.stderr)
-    return 0 if status == "completed" else 1
+    print(f"flashrecovery: job {job_id} {engine.state.job.state}", file=sys.stderr)
+    return 0 if status is JobOutcome.COMPLETED else 1

@@ -21,7 +21,7 @@ import flashrecovery
 from flashrecovery import heap
 from flashrecovery.agent import rendezvous
 from flashrecovery.agent.actions import SPAWNS_PER_S, Actions, SpawnBudget
-from flashrecovery.agent.config import AgentConfig
+from flashrecovery.agent.config import AgentConfig, SpareRefill, StartMethod
 from flashrecovery.agent.forkserver import ForkServer
 from flashrecovery.agent.links import ProcessLinks
 from flashrecovery.agent.nodedir import NodeDir
@@ -38,6 +38,7 @@ from flashrecovery.records import (
     Decision,
     Envelope,
     JobFinished,
+    JobOutcome,
     JobStarted,
     NodeHeartbeat,
     NodeJoined,
@@ -84,7 +85,7 @@ class Interrupted(BaseException):
 
 @dataclass(frozen=True)
 class Outcome:
-    status: str  # "completed" | "failed"
+    status: JobOutcome
     exit_code: int
     detail: str = ""
 
@@ -116,7 +117,7 @@ class Agent:
             self._log.close()
             return 2
         # Its imports (seconds) overlap the rendezvous and the engine's start.
-        forks = ForkServer(_base_env()) if config.start_method == "forkserver" else None
+        forks = ForkServer(_base_env()) if config.start_method is StartMethod.FORKSERVER else None
         try:
             member = rendezvous.join(config, self._start_job)
         except ConfigError as exc:
@@ -160,13 +161,13 @@ class Agent:
             self.job_id,
             member.spares,
             SpawnBudget(len(member.ranks) + member.spares, SPAWNS_PER_S),
-            refill_at_once=config.spare_refill == "immediate",
+            refill_at_once=config.spare_refill is SpareRefill.IMMEDIATE,
             node=member.node,
             say=lambda line: print(line, file=sys.stderr, flush=True),
         )
         heartbeat = self._node_heartbeat(member, relay)
         previous = _handle_signals()
-        outcome = Outcome("failed", 1, "interrupted")
+        outcome = Outcome(JobOutcome.FAILED, 1, "interrupted")
         try:
             for rank in member.ranks:
                 supervisor.spawn_rank(rank, fault=config.faults.get(rank))
@@ -175,7 +176,9 @@ class Agent:
             heap.settle()  # while the ranks start: the engine's later pauses stay short
             outcome = self._supervise(member, supervisor, actions, engine)
         except Interrupted as exc:
-            outcome = Outcome("failed", 128 + exc.signum, f"interrupted by signal {exc.signum}")
+            outcome = Outcome(
+                JobOutcome.FAILED, 128 + exc.signum, f"interrupted by signal {exc.signum}"
+            )
         finally:
             _ignore_signals(previous)  # a second Ctrl-C must not cut the teardown short
             try:
@@ -197,7 +200,7 @@ class Agent:
                     self.metrics.stop()
                 _restore_signals(previous)
                 self._log.close()
-        if outcome.status != "completed":
+        if outcome.status is not JobOutcome.COMPLETED:
             print(f"flashrecovery: job {self.job_id} failed: {outcome.detail}", file=sys.stderr)
         return outcome.exit_code
 
@@ -256,7 +259,7 @@ class Agent:
                     job_id=self.job_id,
                     generation=self._generation,
                     source="agent",
-                    status="completed" if outcome.status == "completed" else "failed",
+                    status=outcome.status,
                     exit_code=outcome.exit_code,
                     detail=outcome.detail,
                     **seal(self._log, self.job_id),
@@ -304,7 +307,7 @@ class Agent:
                         self._links.relay(entry.record)
                     reason = actions.apply(entry.record)
                     if reason is not None:
-                        return Outcome("failed", 1, reason)
+                        return Outcome(JobOutcome.FAILED, 1, reason)
             actions.tick()
             try:
                 # A single node holds every rank; across nodes, every member passed the last
@@ -318,24 +321,24 @@ class Agent:
                         self._links.flush(LINK_DRAIN_S)  # the ranks' last records before the seal
                     if not self.config.hosts_store:
                         keys.add(rendezvous.AGENTS_DONE_KEY, 1)
-                    return Outcome("completed", 0)
+                    return Outcome(JobOutcome.COMPLETED, 0)
             except RuntimeError as exc:  # node 0 (or the control plane) is gone with the store
                 return Outcome(
-                    "failed",
+                    JobOutcome.FAILED,
                     1,
                     f"the job's store at {member.store.host}:{member.store.port} is unreachable, "
                     f"its host is lost ({str(exc).splitlines()[0]})",
                 )
             if self._stop.is_set():
-                return Outcome("failed", 1, "stopped")
+                return Outcome(JobOutcome.FAILED, 1, "stopped")
             if engine is not None and engine.error is not None:
-                return Outcome("failed", 1, f"engine stopped: {engine.error!r}")
+                return Outcome(JobOutcome.FAILED, 1, f"engine stopped: {engine.error!r}")
             if not supervisor.rank_down():
                 down_since = None
             elif down_since is None:
                 down_since = time.monotonic()
             elif time.monotonic() - down_since > STUCK_AFTER_S:
-                return Outcome("failed", 1, f"a rank stayed down for {STUCK_AFTER_S:.0f}s")
+                return Outcome(JobOutcome.FAILED, 1, f"a rank stayed down for {STUCK_AFTER_S:.0f}s")
 
     def _child_env(self, store: JobStore, relay: BeatRelay) -> dict[str, str]:
         return {
@@ -406,10 +409,10 @@ class Agent:
         append_through_outage(self._log, Stream.EVENTS, record, LOG_OUTAGE_S)
 
 
-def wait_for_agents(store: JobStore, gone: int, status: str) -> None:
+def wait_for_agents(store: JobStore, gone: int, status: JobOutcome) -> None:
     """The store's host keeps it up until every agent but ``gone`` (lost, or itself) has seen
     the job complete (bounded): they read the end from it."""
-    if status != "completed":
+    if status is not JobOutcome.COMPLETED:
         return
     keys = store.keys
     expected = int(keys.add(rendezvous.AGENTS_KEY, 0)) - gone

@@ -7,10 +7,10 @@ import os
 import sys
 from pathlib import Path
 
-from flashrecovery.agent.config import SPARE_REFILL, START_METHODS, AgentConfig, Endpoint
+from flashrecovery.agent.config import AgentConfig, Endpoint, SpareRefill, StartMethod
 from flashrecovery.errors import ConfigError
 from flashrecovery.observe.exporter import add_metrics_port
-from flashrecovery.trainer_hooks.env import GROUP_REBUILDS
+from flashrecovery.trainer_hooks.env import GroupRebuild
 from flashrecovery.trainer_hooks.faults import FaultPlan
 
 NODE_RANK_OMITTED = -1  # no --node-rank given: decided by who can host the endpoint
@@ -110,8 +110,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--group-rebuild",
-        choices=GROUP_REBUILDS,
-        default="fresh",
+        choices=[m.value for m in GroupRebuild],
+        default=GroupRebuild.FRESH,
         help="how the process groups a script holds (DDP, FSDP2, DeviceMesh) change generation: "
         "a new backend per generation (fresh, the default: lazy gloo, and a new NCCL "
         "communicator bootstrapped by the whole group), or one backend reconfigured in place "
@@ -143,16 +143,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--spare-refill",
-        choices=SPARE_REFILL,
-        default="immediate",
+        choices=[m.value for m in SpareRefill],
+        default=SpareRefill.IMMEDIATE,
         help="start a new spare as soon as one is taken (immediate, the default) or once the "
         "recovery that took it is over (after-recovery); a spare that dies or goes silent is "
         "replaced at once either way",
     )
     parser.add_argument(
         "--start-method",
-        choices=START_METHODS,
-        default="forkserver",
+        choices=[m.value for m in StartMethod],
+        default=StartMethod.FORKSERVER,
         help="forkserver (the default): every rank and spare is forked from one process per "
         "node that has imported torch already, which starts them in a fraction of a second; "
         "exec: a new interpreter for each, as `python script.py` (seconds of imports each)",

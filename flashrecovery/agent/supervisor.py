@@ -23,6 +23,7 @@ from pathlib import Path
 import psutil
 
 from flashrecovery.agent.forkserver import ForkedProcess, ForkServer, Task
+from flashrecovery.trainer_hooks.env import Role
 
 TERM_GRACE_S = 3.0  # SIGTERM, then SIGKILL what is still there
 UNRUNNABLE = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP, psutil.STATUS_ZOMBIE)
@@ -90,7 +91,7 @@ class Supervisor:
         env = {
             "RANK": str(rank),
             "LOCAL_RANK": str(rank % self._per_node),
-            "FLASHRECOVERY_ROLE": "rank",
+            "FLASHRECOVERY_ROLE": Role.RANK,
             "FLASHRECOVERY_GENERATION": str(generation),
             "FLASHRECOVERY_REPLACEMENT": "1" if replacement else "0",
         }
@@ -103,7 +104,7 @@ class Supervisor:
 
     def spawn_spare(self) -> Child:
         spare_id = self._spare_ids()
-        env = {"FLASHRECOVERY_ROLE": "spare", "FLASHRECOVERY_SPARE_ID": str(spare_id)}
+        env = {"FLASHRECOVERY_ROLE": Role.SPARE, "FLASHRECOVERY_SPARE_ID": str(spare_id)}
         return self._spawn(env, None, spare_id, 0)
 
     def _spawn(

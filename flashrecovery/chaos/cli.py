@@ -38,7 +38,7 @@ from flashrecovery.connectors import LogError, open_log
 from flashrecovery.connectors.kafka_broker import KafkaBroker
 from flashrecovery.demo.cli import execute
 from flashrecovery.demo.job import JobSpec, LaunchedJob
-from flashrecovery.demo.watch import JobWatch, Kill
+from flashrecovery.demo.watch import JobWatch, Kill, KillOutcome
 from flashrecovery.records import Stream
 from flashrecovery.trainer_hooks import final_state
 
@@ -222,7 +222,7 @@ class OutsideFaults:
             sent = self.plan.sent.get(fault.index)
             if fault.kind not in MID_INCIDENT or sent is None or sent.mid_incident_ts:
                 continue
-            if sent.kill is None or sent.kill.outcome != "killed" or opened == closed:
+            if sent.kill is None or sent.kill.outcome is not KillOutcome.KILLED or opened == closed:
                 continue
             sent.mid_incident_ts = time.time()
             if fault.kind == "engine_kill" and self.engines is not None:

@@ -11,7 +11,7 @@ from typing import Any
 from flashrecovery.chaos.schedule import IDLE_SPARE_SIGNAL, PlannedFault
 from flashrecovery.connectors.base import LogConnector
 from flashrecovery.demo.summary import incidents, loss_curve, process_history, step_losses
-from flashrecovery.demo.watch import Kill
+from flashrecovery.demo.watch import Kill, KillOutcome
 from flashrecovery.records import (
     EngineLease,
     JobFinished,
@@ -21,6 +21,7 @@ from flashrecovery.records import (
     SpareReady,
     Stream,
 )
+from flashrecovery.statemachines.incident import IncidentState
 from flashrecovery.trainer_hooks.final_state import FinalState
 
 
@@ -173,7 +174,7 @@ def judge(
             r["rto_from_kill_s"] if r is signalled.get(fault.index) else r["rto_s"] for r in mine
         ]
         recovered = len(mine) == len(fault.failed_ranks) and all(
-            r["state"] == "closed" for r in mine
+            r["state"] == IncidentState.CLOSED for r in mine
         )
         notes = list(action.notes)
         kill = action.kill
@@ -193,7 +194,7 @@ def judge(
         sent_out = not (
             (fault.kind in IDLE_SPARE_SIGNAL and action.spare is None)
             or (fault.kind in ("engine_kill", "broker_restart") and action.mid_incident_ts is None)
-            or (kill is not None and kill.outcome == "missed")
+            or (kill is not None and kill.outcome is KillOutcome.MISSED)
         )
         rows.append(
             {

@@ -38,7 +38,7 @@ from flashrecovery.demo.job import (
 from flashrecovery.demo.summary import summarize
 from flashrecovery.demo.watch import JobWatch, Kill, Killer, follow
 from flashrecovery.errors import LogError
-from flashrecovery.trainer_hooks.env import GROUP_REBUILDS
+from flashrecovery.trainer_hooks.env import GroupRebuild
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -101,7 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--group-rebuild",
-        choices=GROUP_REBUILDS,
+        choices=[m.value for m in GroupRebuild],
         default="fresh",
         help="with ddp, hsdp or fsdp: how their process groups change generation "
         "(flashrecovery run --group-rebuild)",

@@ -15,7 +15,7 @@ from typing import Any
 from flashrecovery.connectors.base import LogConnector
 from flashrecovery.demo.job import JobSpec
 from flashrecovery.demo.results import read_results
-from flashrecovery.demo.watch import Kill
+from flashrecovery.demo.watch import Kill, KillOutcome
 from flashrecovery.records import (
     AssignSpare,
     IncidentClosed,
@@ -29,6 +29,7 @@ from flashrecovery.records import (
 )
 from flashrecovery.replay.plot import plot_job
 from flashrecovery.replay.replayer import replay_job
+from flashrecovery.statemachines.incident import IncidentState
 
 SPARK = "▁▂▃▄▅▆▇█"
 StepLosses = dict[int, list[tuple[int, float | None]]]  # rank -> committed (step, loss), in order
@@ -160,7 +161,7 @@ def incidents(log: LogConnector, job_id: str, kills: list[Kill], nodes: int = 1)
     report = replay_job(log, job_id)
     closures = {d.incident_id: d for d in report.recorded_closures if isinstance(d, IncidentClosed)}
     replaced = _replacements(log, job_id, nodes)
-    unmatched = [k for k in kills if k.outcome == "killed"]
+    unmatched = [k for k in kills if k.outcome is KillOutcome.KILLED]
     rows = []
     for incident, row in zip(report.state.incidents, report.incidents(), strict=True):
         kill = next(
@@ -272,9 +273,9 @@ def summarize(
     summary["ok"] = (
         summary["completed"]
         and found["replay"]["ok"]
-        and all(k.outcome == "killed" for k in kills)
+        and all(k.outcome is KillOutcome.KILLED for k in kills)
         and len(rows) == len(kills)
-        and all(r["state"] == "closed" for r in rows)
+        and all(r["state"] == IncidentState.CLOSED for r in rows)
         and summary["committed_steps_lost"] == summary["steps_rolled_back_by_fallbacks"]
         and summary["survivor_pids_unchanged"]
         and summary["loss_curve"]["continuous"]

@@ -12,6 +12,7 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from flashrecovery.connectors.base import LogConnector
 from flashrecovery.connectors.follow import StreamCursor
@@ -20,6 +21,8 @@ from flashrecovery.engine.ingest import ingest
 from flashrecovery.engine.lease import LeaseBook
 from flashrecovery.engine.state import EngineState
 from flashrecovery.records import EngineLease, JobFinished, RankJoined, Stream
+from flashrecovery.statemachines.incident import IncidentState
+from flashrecovery.statemachines.job import JobState
 
 POLL_S = 0.05  # longest wait for new records before the killer looks again
 
@@ -71,7 +74,7 @@ class JobWatch:
     @property
     def running(self) -> bool:
         """Training in the current generation, with no recovery under way."""
-        return self.state.job.state == "running"
+        return self.state.job.state is JobState.RUNNING
 
     @property
     def ready_spares(self) -> int:
@@ -80,8 +83,14 @@ class JobWatch:
     @property
     def incidents(self) -> tuple[int, int]:
         """(opened, closed) incidents."""
-        closed = sum(i.machine.state == "closed" for i in self.state.incidents)
+        closed = sum(i.machine.state is IncidentState.CLOSED for i in self.state.incidents)
         return len(self.state.incidents), closed
+
+
+class KillOutcome(StrEnum):
+    PENDING = "pending"
+    KILLED = "killed"
+    MISSED = "missed"  # the target had finished or was gone already
 
 
 @dataclass
@@ -97,7 +106,7 @@ class Kill:
     pid: int | None = None  # the rank's process, or the node's agent
     committed: int | None = None  # the rank's committed step when the signal went out
     ts: float | None = None  # unix time of the SIGKILL
-    outcome: str = "pending"  # pending | killed | missed
+    outcome: KillOutcome = KillOutcome.PENDING
     # Once the target has committed this step the kill goes out without waiting for a ready
     # spare (a chaos run's next fault must not meet it late).
     spare_wait_until: int | None = None
@@ -121,9 +130,9 @@ class Kill:
         return f"rank {self.rank}" if self.node is None else f"node {self.node}"
 
     def describe(self) -> str:
-        if self.outcome == "pending":
+        if self.outcome is KillOutcome.PENDING:
             return f"{self.target} at step {self.step} (pending)"
-        if self.outcome == "missed":
+        if self.outcome is KillOutcome.MISSED:
             return f"{self.target} at step {self.step}: missed (finished or already gone)"
         working_on = self.step if self.committed is None else self.committed + 1
         process = "pid" if self.node is None else "agent pid"
@@ -146,7 +155,7 @@ class Killer:
 
     @property
     def pending(self) -> list[Kill]:
-        return [k for k in self.plan if k.outcome == "pending"]
+        return [k for k in self.plan if k.outcome is KillOutcome.PENDING]
 
     def tick(self, watch: JobWatch) -> Kill | None:
         """Fire the next kill if it is due now; returns it when it fired (or missed)."""
@@ -157,7 +166,7 @@ class Killer:
         if committed < kill.step - 1:
             return None
         if committed >= self.job.spec.steps - 1:  # done training: a kill would test shutdown
-            kill.outcome = "missed"
+            kill.outcome = KillOutcome.MISSED
             return kill
         now = time.monotonic()
         self.due_since = self.due_since or now
@@ -179,7 +188,7 @@ class Killer:
         else:
             kill.pid = watch.pid_of(kill.rank) if kill.rank is not None else None
             kill.ts = None if kill.pid is None else self.job.kill_descendant(kill.pid, kill.sig)
-        kill.outcome = "missed" if kill.ts is None else "killed"
+        kill.outcome = KillOutcome.MISSED if kill.ts is None else KillOutcome.KILLED
         return kill
 
 

@@ -25,6 +25,7 @@ from flashrecovery.records import (
     Heartbeat,
     HeartbeatMissed,
     JobFinished,
+    JobOutcome,
     JobStarted,
     NodeHeartbeat,
     NodeJoined,
@@ -400,7 +401,7 @@ def _rank_finished(ctx: Context, record: RankFinished) -> None:
 
 def _job_finished(ctx: Context, record: JobFinished) -> None:
     job = ctx.state.job
-    if record.status == "completed":
+    if record.status is JobOutcome.COMPLETED:
         ctx.require(job, Trigger.COMPLETE, "the job")
     elif job.state != JobState.FAILED:
         ctx.require(job, Trigger.FAIL, "the job")

@@ -125,7 +125,7 @@ def stalled_ranks(state: EngineState, now: float) -> list[StallSuspected]:
         config.stall_factor * statistics.median(durations) if durations else 0.0,
         config.stall_floor_s,
     )
-    running = state.job.entered("running")
+    running = state.job.entered(JobState.RUNNING)
     last_progress = max(state.last_step_ts or 0.0, running.ts if running else 0.0)
     if not last_progress or now - last_progress <= window:
         return []

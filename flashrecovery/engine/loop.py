@@ -35,6 +35,7 @@ from flashrecovery.records import (
     SpareMissed,
     Stream,
 )
+from flashrecovery.statemachines.job import ENDED
 
 log = structlog.get_logger("flashrecovery.engine")
 LOG_STALL_S = 1.0  # a read held up this much longer than asked means the log was away
@@ -198,7 +199,7 @@ class EngineLoop:
         twice)."""
         backoff = 0.0
         caught_up = False
-        while not self._stop.is_set() and self.state.job.state not in ("completed", "failed"):
+        while not self._stop.is_set() and self.state.job.state not in ENDED:
             try:
                 if not caught_up:
                     self.catch_up()

@@ -262,7 +262,7 @@ class EngineState:
     failures: Counter[tuple[int, int]] = field(default_factory=Counter)  # (rank, step) -> count
     spares_lost_unready: int = 0  # spares that died before they were ready (a broken script)
     committed: StepIndex = field(default_factory=StepIndex)  # over the ranks that hold state
-    rank_census: Counter[str] = field(default_factory=Counter)  # rank state -> ranks in it
+    rank_census: Counter[RankState] = field(default_factory=Counter)  # rank state -> ranks in it
     awaiting_regroup: int = 0  # members of the current generation yet to report regrouped
     holders: dict[int, int] = field(default_factory=dict)  # pid -> the rank it holds now
     # (when the rank's silence becomes too long, rank), soonest first, one entry per change

@@ -26,8 +26,8 @@ from flashrecovery.engine.detectors import BEATING
 from flashrecovery.engine.ingest import ingest
 from flashrecovery.engine.state import EngineState
 from flashrecovery.records import IncidentClosed, StepCompleted
-from flashrecovery.statemachines.job import JobMachine
-from flashrecovery.statemachines.rank import RankMachine
+from flashrecovery.statemachines.job import JobState
+from flashrecovery.statemachines.rank import RankState
 
 PREFIX = "flashrecovery_"
 PER_RANK_LIMIT = 64  # above this many ranks, heartbeat ages are per host (bounded cardinality)
@@ -128,13 +128,13 @@ def families(
         "step_duration_seconds", "Step durations ranks reported", job, fold.step_seconds
     )
     yield _one_hot("job_state", "The job machine's state (1 for the current one)", job,
-                   JobMachine.STATES, state.job.state)  # fmt: skip
+                   JobState, state.job.state)  # fmt: skip
     generation = _gauge("generation", "Current generation (membership) of the job", [])
     generation.add_metric([job], state.generation)
     yield generation
     ranks = _gauge("ranks", "Ranks by machine state", ["state"])
     by_state = Counter(view.machine.state for view in state.ranks.values())
-    for name in RankMachine.STATES:
+    for name in RankState:
         ranks.add_metric([job, str(name)], by_state[name])
     yield ranks
     spares = _gauge("spares_ready", "Hot spares ready for an assignment", [])

@@ -7,13 +7,14 @@ it; an illegal trigger raises IllegalTransition (never ignored) so the engine ca
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar, cast
 
 from transitions import Machine
 
-from flashrecovery import errors
+from flashrecovery.errors import IllegalTransition
 
 
 class Trigger(StrEnum):
@@ -40,9 +41,9 @@ class Trigger(StrEnum):
     COMPLETE = "complete"
 
 
-def arc(trigger: Trigger, source: StrEnum | list[StrEnum], dest: StrEnum) -> dict[str, Any]:
+def arc(trigger: Trigger, source: StrEnum | Sequence[StrEnum], dest: StrEnum) -> dict[str, Any]:
     """One transition as `transitions` takes it, from enum members (plain strings inside)."""
-    sources = [str(s) for s in source] if isinstance(source, list) else str(source)
+    sources = str(source) if isinstance(source, StrEnum) else [str(s) for s in source]
     return {"trigger": str(trigger), "source": sources, "dest": str(dest)}
 
 
@@ -58,27 +59,21 @@ class Stamp:
 @dataclass(frozen=True)
 class Step:
     trigger: Trigger
-    source: str
-    dest: str
-    stamp: Stamp
+    source: StrEnum
+    dest: StrEnum
+    stamp: Stamp | None  # None: a machine of the hook, whose moves no record causes
 
 
-class IllegalTransition(errors.IllegalTransition):
-    def __init__(self, machine: str, trigger: Trigger, state: str, stamp: Stamp) -> None:
-        super().__init__(
-            f"{machine}: '{trigger}' is not allowed in state '{state}' "
-            f"(record {stamp.cause} at position {stamp.position})"
-        )
-        self.machine, self.trigger, self.state, self.stamp = machine, trigger, state, stamp
+S = TypeVar("S", bound=StrEnum)  # a machine's states
+Moves = dict[tuple[str, str], StrEnum]  # (state, trigger) -> next state
+_COMPILED: dict[str, Moves] = {}
 
 
-_COMPILED: dict[str, dict[tuple[str, str], str]] = {}
-
-
-def compiled(machine: type[StateMachine]) -> dict[tuple[str, str], str]:
+def compiled(machine: type[StateMachine[Any]]) -> Moves:
     """The declaration of a machine class, built and checked by `transitions` once, as a table
-    (state, trigger) -> next state. Instances only look moves up: a world of 100,000 ranks
-    must not build 100,000 `transitions` machines (about a millisecond each)."""
+    (state, trigger) -> next state (a member of STATES). Instances only look moves up: a world
+    of 100,000 ranks must not build 100,000 `transitions` machines (about a millisecond each).
+    A StrEnum member hashes and compares as its value, so the table is keyed by either."""
     key = f"{machine.__module__}.{machine.__qualname__}"
     if key in _COMPILED:
         return _COMPILED[key]
@@ -91,7 +86,7 @@ def compiled(machine: type[StateMachine]) -> dict[tuple[str, str], str]:
         ignore_invalid_triggers=False,
     )
     _COMPILED[key] = {
-        (source, trigger): str(transition.dest)
+        (source, trigger): machine.STATES(str(transition.dest))
         for trigger, event in built.events.items()
         for source, transitions in event.transitions.items()
         for transition in transitions
@@ -100,44 +95,56 @@ def compiled(machine: type[StateMachine]) -> dict[tuple[str, str], str]:
 
 
 @dataclass
-class StateMachine:
-    """Base of the rank, job and incident machines. Subclasses declare STATES, TRANSITIONS
-    (dicts as `transitions` takes them) and INITIAL; the declaration is the diagram. ``census``,
-    when given, counts the machines of a population by state (kept as they move)."""
+class StateMachine(Generic[S]):
+    """Base of every machine: the engine's rank, job and incident machines and the hook's
+    session machine. Subclasses declare STATES, TRANSITIONS (dicts as `transitions` takes them)
+    and INITIAL; the declaration is the diagram. The state is always a member of STATES.
+    ``census``, when given, counts the machines of a population by state (kept as they move).
+    HISTORY bounds the moves kept (None: all, as the engine's machines need for their stamps)."""
 
     name: str
     history: list[Step] = field(default_factory=list)
-    census: Counter[str] | None = field(default=None, repr=False, compare=False)
-    state: str = field(init=False)
+    census: Counter[S] | None = field(default=None, repr=False, compare=False)
+    state: S = field(init=False)
 
     STATES: ClassVar[type[StrEnum]]
     TRANSITIONS: ClassVar[list[dict[str, Any]]]
     INITIAL: ClassVar[StrEnum]
+    HISTORY: ClassVar[int | None] = None
 
     def __post_init__(self) -> None:
         self._moves = compiled(type(self))
-        self.state = str(self.INITIAL)
+        self.state = cast(S, self.INITIAL)
         if self.census is not None:
             self.census[self.state] += 1
 
-    def fire(self, trigger: Trigger, stamp: Stamp, *, counted: bool = True) -> None:
+    def fire(self, trigger: Trigger, stamp: Stamp | None = None, *, counted: bool = True) -> None:
         """Apply a trigger; raise IllegalTransition when the current state does not allow it.
         ``counted=False``: the census already counts this move (made for a whole population
         at once, see EngineState.sweep_pause)."""
         source = self.state
-        dest = self._moves.get((source, str(trigger)))
+        dest = self._moves.get((source, trigger))
         if dest is None:
-            raise IllegalTransition(self.name, trigger, source, stamp)
-        self.state = dest
+            where = "" if stamp is None else f" (record {stamp.cause} at position {stamp.position})"
+            raise IllegalTransition(
+                f"{self.name}: '{trigger}' is not allowed in state '{source}'{where}",
+                machine=self.name,
+                trigger=trigger,
+                state=source,
+                stamp=stamp,
+            )
+        self.state = cast(S, dest)
         if self.census is not None and counted:
             self.census[source] -= 1
-            self.census[dest] += 1
+            self.census[self.state] += 1
+        if self.HISTORY is not None and len(self.history) >= self.HISTORY:
+            del self.history[0]
         self.history.append(Step(trigger, source, dest, stamp))
 
     def can(self, trigger: Trigger) -> bool:
-        return (self.state, str(trigger)) in self._moves
+        return (self.state, trigger) in self._moves
 
-    def entered(self, state: str) -> Stamp | None:
+    def entered(self, state: S) -> Stamp | None:
         """When the machine last entered ``state`` (None if never)."""
         for step in reversed(self.history):
             if step.dest == state:

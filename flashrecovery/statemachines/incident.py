@@ -21,7 +21,7 @@ class IncidentState(StrEnum):
 
 
 S = IncidentState
-PHASES: list[StrEnum] = [
+PHASES: list[IncidentState] = [
     S.DETECTED,
     S.ISOLATED,
     S.REPLACEMENT_READY,
@@ -32,7 +32,7 @@ PHASES: list[StrEnum] = [
 OPEN = PHASES  # an incident in one of these has not ended
 
 
-class IncidentMachine(StateMachine):
+class IncidentMachine(StateMachine[IncidentState]):
     STATES: ClassVar[type[StrEnum]] = IncidentState
     INITIAL: ClassVar[StrEnum] = S.DETECTED
     TRANSITIONS: ClassVar[list[dict[str, Any]]] = [

@@ -21,11 +21,11 @@ class JobState(StrEnum):
 
 
 S = JobState
-RECOVERING: list[StrEnum] = [S.ISOLATING, S.REGROUPING, S.RESTORING, S.RESUMING]
+RECOVERING: list[JobState] = [S.ISOLATING, S.REGROUPING, S.RESTORING, S.RESUMING]
 ENDED = (S.COMPLETED, S.FAILED)
 
 
-class JobMachine(StateMachine):
+class JobMachine(StateMachine[JobState]):
     STATES: ClassVar[type[StrEnum]] = JobState
     INITIAL: ClassVar[StrEnum] = S.STARTING
     TRANSITIONS: ClassVar[list[dict[str, Any]]] = [

@@ -22,10 +22,10 @@ class RankState(StrEnum):
 
 
 S = RankState
-ALIVE: list[StrEnum] = [S.JOINING, S.HEALTHY, S.SUSPECT, S.PAUSED, S.RESTORING]
+ALIVE: list[RankState] = [S.JOINING, S.HEALTHY, S.SUSPECT, S.PAUSED, S.RESTORING]
 
 
-class RankMachine(StateMachine):
+class RankMachine(StateMachine[RankState]):
     STATES: ClassVar[type[StrEnum]] = RankState
     INITIAL: ClassVar[StrEnum] = S.PENDING
     TRANSITIONS: ClassVar[list[dict[str, Any]]] = [

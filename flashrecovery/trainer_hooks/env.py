@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
+from typing import TypeVar
 
 from flashrecovery.errors import LaunchError
 from flashrecovery.trainer_hooks import final_state
@@ -14,7 +16,29 @@ from flashrecovery.trainer_hooks.faults import Fault, FaultPlan
 CHECKPOINT_DIR = "FLASHRECOVERY_CHECKPOINT_DIR"
 CHECKPOINT_EVERY = "FLASHRECOVERY_CHECKPOINT_EVERY"
 GROUP_REBUILD = "FLASHRECOVERY_GROUP_REBUILD"
-GROUP_REBUILDS = ("fresh", "reconfigure")
+E = TypeVar("E", bound=StrEnum)
+
+
+class Role(StrEnum):
+    """What the agent started a process as."""
+
+    RANK = "rank"
+    SPARE = "spare"  # a hot spare: it has no rank until one is assigned
+
+
+class GroupRebuild(StrEnum):
+    """How the user's stable groups change generation (trainer_hooks/stable_group.py)."""
+
+    FRESH = "fresh"  # a new backend per generation
+    RECONFIGURE = "reconfigure"  # one backend per group, reconfigured in place
+
+
+def choice(kind: type[E], value: str, name: str) -> E:
+    """``value`` as a member of ``kind``; a LaunchError naming ``name`` and the choices if not."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise LaunchError(f"{name}={value!r}: expected one of {', '.join(kind)}") from None
 
 
 @dataclass(frozen=True)
@@ -25,7 +49,7 @@ class LaunchEnv:
     store_prefix: str = field(repr=False)  # the job's secret (agent/store.py): never shown
     world_size: int
     heartbeat_interval_s: float
-    role: str  # "rank" or "spare"
+    role: Role
     rank: int | None  # None for a spare until it is assigned
     spare_id: int | None
     generation: int
@@ -39,7 +63,7 @@ class LaunchEnv:
     node: int = 0  # the node whose agent started it (FLASHRECOVERY_NODE)
     checkpoint_dir: Path | None = None  # where checkpoints go (trainer_hooks/checkpoint.py)
     checkpoint_every: int = 0  # save after every this many committed steps
-    group_rebuild: str = "fresh"  # or "reconfigure": how stable groups change generation
+    group_rebuild: GroupRebuild = GroupRebuild.FRESH
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> LaunchEnv:
@@ -54,14 +78,8 @@ class LaunchEnv:
                 )
             return value
 
-        role = need("FLASHRECOVERY_ROLE")
-        if role not in ("rank", "spare"):
-            raise LaunchError(f"FLASHRECOVERY_ROLE={role!r}: expected 'rank' or 'spare'")
-        group_rebuild = env.get(GROUP_REBUILD, "fresh")
-        if group_rebuild not in GROUP_REBUILDS:
-            raise LaunchError(
-                f"{GROUP_REBUILD}={group_rebuild!r}: expected one of {GROUP_REBUILDS}"
-            )
+        role = choice(Role, need("FLASHRECOVERY_ROLE"), "FLASHRECOVERY_ROLE")
+        group_rebuild = choice(GroupRebuild, env.get(GROUP_REBUILD, "fresh"), GROUP_REBUILD)
         try:
             return cls(
                 job_id=need("FLASHRECOVERY_JOB_ID"),
@@ -71,8 +89,8 @@ class LaunchEnv:
                 world_size=int(need("WORLD_SIZE")),
                 heartbeat_interval_s=float(need("FLASHRECOVERY_HEARTBEAT_INTERVAL")),
                 role=role,
-                rank=int(need("RANK")) if role == "rank" else None,
-                spare_id=int(need("FLASHRECOVERY_SPARE_ID")) if role == "spare" else None,
+                rank=int(need("RANK")) if role is Role.RANK else None,
+                spare_id=int(need("FLASHRECOVERY_SPARE_ID")) if role is Role.SPARE else None,
                 generation=int(env.get("FLASHRECOVERY_GENERATION", "0")),
                 replacement=env.get("FLASHRECOVERY_REPLACEMENT") == "1",
                 shards=int(env.get("FLASHRECOVERY_SHARDS", "1")),

@@ -59,7 +59,7 @@ from flashrecovery.trainer_hooks import (
 )
 from flashrecovery.trainer_hooks.agent_link import AgentLink
 from flashrecovery.trainer_hooks.decisions import DecisionFollower
-from flashrecovery.trainer_hooks.env import LaunchEnv
+from flashrecovery.trainer_hooks.env import LaunchEnv, Role
 from flashrecovery.trainer_hooks.gradients import ReducedGradients
 from flashrecovery.trainer_hooks.groups import Group
 from flashrecovery.trainer_hooks.heartbeat import HeartbeatThread
@@ -133,7 +133,7 @@ class Session:
         self._follower.start()
         self._heartbeat.start()
         try:
-            if env.role == "rank" and not env.replacement and self._barrier(0, "members"):
+            if env.role is Role.RANK and not env.replacement and self._barrier(0, "members"):
                 self._first_form_due = True
                 self._append(
                     RankJoined,
@@ -165,7 +165,7 @@ class Session:
     @property
     def is_spare(self) -> bool:
         """Whether this process was started as a hot spare (it keeps that role once assigned)."""
-        return self._env.role == "spare"
+        return self._env.role is Role.SPARE
 
     @property
     def committed_step(self) -> int:

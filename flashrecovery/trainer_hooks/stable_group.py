@@ -28,6 +28,7 @@ from torch._C._distributed_c10d import ReconfigureOptions
 
 from flashrecovery.errors import Superseded
 from flashrecovery.trainer_hooks import groups, inflight
+from flashrecovery.trainer_hooks.env import GroupRebuild
 from flashrecovery.trainer_hooks.groups import COLLECTIVE_TIMEOUT
 
 BACKEND = "flashrecovery"
@@ -386,13 +387,13 @@ class StableGroups:
         self,
         device: str,
         superseded: Callable[[], bool] = lambda: False,
-        rebuild: str = "fresh",
+        rebuild: GroupRebuild = GroupRebuild.FRESH,
     ) -> None:
-        """``rebuild``: "fresh", a new backend per generation, or "reconfigure", one
+        """``rebuild``: FRESH, a new backend per generation, or RECONFIGURE, one
         ``Reconfigurable`` backend per group for the whole job."""
         self.device = device  # "cuda" (NCCL underneath) or "cpu" (gloo)
         self._superseded = superseded
-        self._reconfigure = rebuild == "reconfigure"
+        self._reconfigure = rebuild == GroupRebuild.RECONFIGURE
         self._groups: list[StableGroup] = []
         self._formed: tuple[dist.Store, int] | None = None
 
