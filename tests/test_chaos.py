@@ -18,7 +18,7 @@ from flashrecovery.chaos.schedule import TWO_FAILURES, available_kinds, draw
 from flashrecovery.chaos.verdict import Sent, judge, spare_outcome
 from flashrecovery.connectors.memory import MemoryLog
 from flashrecovery.records import Stream
-from flashrecovery.trainer_hooks.faults import FaultPlan
+from flashrecovery.trainer_hooks.probe import FaultPlan
 
 REPO = Path(__file__).resolve().parents[1]
 # The kinds CI draws from: every kind a 3-rank job on the embedded log can take; seed 3 deals
@@ -44,9 +44,9 @@ def test_a_seed_gives_one_schedule_and_faults_land_at_distinct_steps() -> None:
     assert one != draw(40, 8, 3, kinds, first_step=4, gap=6)
     assert [f.step for f in one] == [4 + 6 * i for i in range(40)]
     assert set(f.kind for f in one[: len(kinds)]) == set(kinds)  # dealt from a deck
-    entries = FaultPlan.parse(",".join(e for f in one for e in f.plan)).entries
+    planned = FaultPlan.parse(",".join(e for f in one for e in f.plan)).faults
     # No rank meets two planned faults at one step, except a replacement's on purpose.
-    places = [(rank, fault.point, fault.step) for rank, fault in entries]
+    places = [(fault.rank, fault.kind.point, fault.step) for fault in planned]
     replacements = sum(f.kind == "replacement" for f in one)
     assert len(places) - len(set(places)) == replacements
 

@@ -58,8 +58,6 @@ def test_an_embedded_log_is_refused_for_a_job_across_hosts(
         (["--nnodes", "2"], "need --rdzv-endpoint"),
         (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "127.0.0.1:1"], "outside 0..1"),
         (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1", "--node-wait", "90"], "--node-wait"),
-        (["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "127.0.0.1:1", "--fault",
-          "0:raise@3"], "node 0's agent only"),
     ],
 )  # fmt: skip
 def test_bad_node_options(

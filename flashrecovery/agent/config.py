@@ -17,7 +17,7 @@ from flashrecovery.connectors import open_log
 from flashrecovery.errors import ConfigError, LogError
 from flashrecovery.records import Stream
 from flashrecovery.trainer_hooks.env import GroupRebuild
-from flashrecovery.trainer_hooks.faults import Fault, FaultPlan
+from flashrecovery.trainer_hooks.probe import ENV, FaultPlan
 
 _JOB_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
 LOOPBACK = "127.0.0.1"
@@ -97,8 +97,9 @@ class AgentConfig:
     heartbeat_interval_s: float = 1.0
     stall_floor_s: float = 5.0  # no step progress this long (at least) while peers wait: stall
     external_engine: bool = False  # decisions come from `flashrecovery engine` services
-    faults: dict[int, str] = field(default_factory=dict)  # rank -> FLASHRECOVERY_FAULT (tests)
-    fault_plan: FaultPlan = field(default_factory=lambda: FaultPlan(()))  # each fires once (tests)
+    fault_plan: FaultPlan = field(
+        default_factory=FaultPlan
+    )  # tests only: FLASHRECOVERY_FAULT_PLAN (probe.py)
     final_state_dir: Path | None = None  # each rank's finish() leaves its final state here
     output_dir: Path | None = None  # each child's stdout+stderr in its own file; else inherited
     max_replacements: int = 3  # the same rank failing this often at one step fails the job
@@ -171,6 +172,12 @@ class AgentConfig:
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port must be 0..65535, got {self.metrics_port}")
         self._check_nodes()
+        world = self.nproc * self.nnodes
+        for fault in self.fault_plan.faults:
+            if not 0 <= fault.rank < world:
+                raise ConfigError(
+                    f"{ENV}: planned fault {fault.spec()}: rank outside 0..{world - 1}"
+                )
         if not self.starts_job:  # a node joining a job: the job and the log are node 0's
             if self.log_url is None:
                 raise ConfigError("a node other than 0 needs --log: the log node 0 writes to")
@@ -179,19 +186,6 @@ class AgentConfig:
         job_id = self.job_id or f"job-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         if not _JOB_ID.match(job_id):
             raise ConfigError(f"job id {job_id!r} may hold only letters, digits, '_', '.', '-'")
-        for rank, spec in self.faults.items():
-            if not 0 <= rank < self.nproc:
-                raise ConfigError(f"fault for rank {rank}: outside node 0's 0..{self.nproc - 1}")
-            try:
-                Fault.parse(spec)
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from None
-        for rank, fault in self.fault_plan.entries:
-            if not 0 <= rank < self.nproc:
-                raise ConfigError(
-                    f"planned fault {rank}:{fault.point}@{fault.step}: rank outside "
-                    f"0..{self.nproc - 1}"
-                )
         log_url = self.log_url or f"sqlite://{Path.cwd() / 'runs' / job_id / 'log.db'}"
         if urlsplit(log_url).scheme == "memory":
             raise ConfigError("memory:// logs live in one process; the ranks need sqlite or kafka")
@@ -230,8 +224,6 @@ class AgentConfig:
             )
         if self.metrics_port is not None and not self.starts_job:
             raise ConfigError("--metrics-port: node 0's agent serves the job's metrics")
-        if self.faults and not self.starts_job:
-            raise ConfigError("--fault names global ranks: give it to node 0's agent only")
 
 
 def check_shared_log(url: str, endpoint: Endpoint | None) -> None:

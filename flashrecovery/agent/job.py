@@ -45,7 +45,7 @@ from flashrecovery.records import (
     RankExited,
     Stream,
 )
-from flashrecovery.trainer_hooks import barrier, final_state
+from flashrecovery.trainer_hooks import barrier, final_state, probe
 from flashrecovery.trainer_hooks.decisions import PROCESS_DECISIONS
 from flashrecovery.trainer_hooks.env import CHECKPOINT_DIR, CHECKPOINT_EVERY, GROUP_REBUILD
 from flashrecovery.trainer_hooks.heartbeat import HeartbeatThread
@@ -170,7 +170,7 @@ class Agent:
         outcome = Outcome(JobOutcome.FAILED, 1, "interrupted")
         try:
             for rank in member.ranks:
-                supervisor.spawn_rank(rank, fault=config.faults.get(rank))
+                supervisor.spawn_rank(rank)
             for _ in range(member.spares):
                 supervisor.spawn_spare()
             heap.settle()  # while the ranks start: the engine's later pauses stay short
@@ -352,11 +352,7 @@ class Agent:
             "FLASHRECOVERY_HEARTBEAT_INTERVAL": str(self.config.heartbeat_interval_s),
             "FLASHRECOVERY_SHARDS": str(self.config.shards),
             GROUP_REBUILD: self.config.group_rebuild,
-            **(
-                {"FLASHRECOVERY_FAULT_PLAN": self.config.fault_plan.spec()}
-                if self.config.fault_plan.entries
-                else {}
-            ),
+            **({probe.ENV: self.config.fault_plan.spec()} if self.config.fault_plan.faults else {}),
             **(
                 {final_state.ENV: str(self.config.final_state_dir.resolve())}
                 if self.config.final_state_dir

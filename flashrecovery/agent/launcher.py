@@ -10,8 +10,8 @@ from pathlib import Path
 from flashrecovery.agent.config import AgentConfig, Endpoint, SpareRefill, StartMethod
 from flashrecovery.errors import ConfigError
 from flashrecovery.observe.exporter import add_metrics_port
+from flashrecovery.trainer_hooks import probe
 from flashrecovery.trainer_hooks.env import GroupRebuild
-from flashrecovery.trainer_hooks.faults import FaultPlan
 
 NODE_RANK_OMITTED = -1  # no --node-rank given: decided by who can host the endpoint
 
@@ -173,21 +173,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="each rank's session.finish() writes the digest of its final parameters to "
         "DIR/rank<r>.json (for a bitwise comparison of runs: `flashrecovery chaos`)",
     )
-    parser.add_argument(
-        "--fault",
-        action="append",
-        default=[],
-        metavar="RANK:POINT@STEP",
-        help="test only: inject a fault into a rank, e.g. 1:after_reduce@3",
-    )
-    parser.add_argument(
-        "--fault-once",
-        action="append",
-        default=[],
-        metavar="RANK:POINT@STEP",
-        help="test only: a fault that fires once in whichever process holds RANK when it "
-        "reaches POINT at STEP (a replacement too), e.g. 1:donor_send@7",
-    )
     parser.add_argument("script", type=Path, help="the training script")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
 
@@ -216,21 +201,12 @@ def _endpoint(text: str) -> Endpoint:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _faults(specs: list[str]) -> dict[int, str]:
-    faults = {}
-    for spec in specs:
-        rank, sep, fault = spec.partition(":")
-        if not sep or not rank.isdigit():
-            raise ConfigError(f"--fault {spec!r}: expected RANK:POINT@STEP")
-        faults[int(rank)] = fault
-    return faults
-
-
-def _fault_plan(specs: list[str]) -> FaultPlan:
+def _fault_plan() -> probe.FaultPlan:
+    """Test-only faults, from the agent's own environment (trainer_hooks/probe.py)."""
     try:
-        return FaultPlan.parse(",".join(specs))
+        return probe.FaultPlan.from_environ(os.environ)
     except ValueError as exc:
-        raise ConfigError(f"--fault-once: {exc}") from None
+        raise ConfigError(f"{probe.ENV}: {exc}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -248,8 +224,7 @@ def run(args: argparse.Namespace) -> int:
                 heartbeat_interval_s=args.heartbeat_interval,
                 stall_floor_s=args.stall_timeout,
                 external_engine=args.external_engine,
-                faults=_faults(args.fault),
-                fault_plan=_fault_plan(args.fault_once),
+                fault_plan=_fault_plan(),
                 final_state_dir=args.final_state,
                 output_dir=args.output_dir,
                 max_replacements=args.max_replacements,

@@ -46,6 +46,7 @@ class LoopbackNodes:
     output_dir: Path | None = None  # each agent's output in node{K}.log, its children's beside
     control_plane: bool = False  # the store and engine in a process of their own
     control_args: list[str] = field(default_factory=list)  # more `control-plane` options
+    environment: dict[str, str] = field(default_factory=dict)  # more for every agent's
     agents: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
     control: subprocess.Popen[bytes] | None = None  # the control plane's process
     port: int = field(default_factory=free_port)
@@ -96,7 +97,12 @@ class LoopbackNodes:
             output = open(self.output_dir / f"{name}.log", "wb")  # noqa: SIM115
         package_root = str(Path(flashrecovery.__file__).resolve().parent.parent)
         python_path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
-        env = {**os.environ, "PYTHONPATH": python_path, "FLASHRECOVERY_STORE_PREFIX": self._secret}
+        env = {
+            **os.environ,
+            **self.environment,
+            "PYTHONPATH": python_path,
+            "FLASHRECOVERY_STORE_PREFIX": self._secret,
+        }
         try:
             return subprocess.Popen(
                 [sys.executable, "-m", "flashrecovery.cli", *command],

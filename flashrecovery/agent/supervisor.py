@@ -85,9 +85,7 @@ class Supervisor:
 
     # ------------------------------------------------------------------ starting
 
-    def spawn_rank(
-        self, rank: int, generation: int = 0, replacement: bool = False, fault: str | None = None
-    ) -> Child:
+    def spawn_rank(self, rank: int, generation: int = 0, replacement: bool = False) -> Child:
         env = {
             "RANK": str(rank),
             "LOCAL_RANK": str(rank % self._per_node),
@@ -95,8 +93,6 @@ class Supervisor:
             "FLASHRECOVERY_GENERATION": str(generation),
             "FLASHRECOVERY_REPLACEMENT": "1" if replacement else "0",
         }
-        if fault:
-            env["FLASHRECOVERY_FAULT"] = fault
         child = self._spawn(env, rank, None, generation)
         with self._lock:
             self._holders[rank] = child

@@ -282,8 +282,6 @@ def _specs(
     options += ["--stall-timeout", str(args.stall_timeout)]
     chaos_options = [*options, "--final-state", str(run_dir / "final")]
     chaos_options += ["--output-dir", str(run_dir / "output")]
-    for entry in plan.fault_plan():
-        chaos_options += ["--fault-once", entry]
     if args.external_engine:
         chaos_options.append("--external-engine")
     job = JobSpec(
@@ -292,6 +290,7 @@ def _specs(
         spares=args.spares,
         min_step_s=args.min_step_s,
         agent_args=tuple(chaos_options),
+        fault_plan=",".join(plan.fault_plan()),
         **common,
     )
     reference = JobSpec(

@@ -3,7 +3,7 @@
 Pure: the same seed, world and kinds give the same schedule. Faults land at distinct steps
 spaced ``gap`` apart, so two faults on one rank never land at the same step, and a recovery
 has room to finish before the next fault. In-process faults (raise, stall, and the kills that
-land inside a recovery) become the job's fault plan (trainer_hooks/faults.py); the others are
+land inside a recovery) become the job's fault plan (trainer_hooks/probe.py); the others are
 carried out from outside by the chaos command (signals to a rank, the engine or the broker).
 """
 

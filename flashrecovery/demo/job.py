@@ -9,6 +9,7 @@ several nodes runs one agent per loopback "node" (agent/loopback.py), each its o
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -19,6 +20,8 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 import psutil
+
+from flashrecovery.trainer_hooks import probe  # no torch: only the session imports it
 
 if TYPE_CHECKING:  # the agent package imports torch: only a job of several nodes needs it
     from flashrecovery.agent.loopback import LoopbackNodes
@@ -49,6 +52,7 @@ class JobSpec:
     nodes: int = 1  # loopback nodes, nproc / nodes ranks each (spares: per node)
     spare_nodes: int = 0
     checkpoint_every: int = 0  # > 0: checkpoints in <run_dir>/checkpoints every this many steps
+    fault_plan: str = ""  # tests and chaos only: the job's planned faults (trainer_hooks/probe.py)
 
     def command(self) -> list[str]:
         return [
@@ -100,6 +104,10 @@ class JobSpec:
             self.parallel,
         ]
 
+    def environment(self) -> dict[str, str]:
+        """What every agent of the job has in its environment beyond this process's."""
+        return {probe.ENV: self.fault_plan} if self.fault_plan else {}
+
     @property
     def agent_output(self) -> Path:
         """Node 0's agent's output."""
@@ -120,6 +128,7 @@ class JobSpec:
             spare_nodes=self.spare_nodes,
             agent_args=self.run_options(),
             output_dir=self.agent_output.parent,
+            environment=self.environment(),
         )
 
 
@@ -138,6 +147,7 @@ class LaunchedJob:
                 self._agents = [
                     subprocess.Popen(
                         spec.command(),
+                        env={**os.environ, **spec.environment()},
                         stdin=subprocess.DEVNULL,
                         stdout=out,
                         stderr=subprocess.STDOUT,

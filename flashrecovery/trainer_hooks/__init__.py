@@ -8,7 +8,7 @@ for step in session.steps(total):
 session.finish()
 
 The session (and torch with it) is imported on first use: the agent imports this package's
-fault plans, and an agent that imported torch took 2-3 s more of CPU to start, on every node
+launch environment and fault probe, and an agent that imported torch took 2-3 s more of CPU to start, on every node
 and in every fresh replacement's launch.
 """
 
@@ -24,7 +24,6 @@ from flashrecovery.errors import (
     ProtocolError,
     ReplacedError,
 )
-from flashrecovery.trainer_hooks.faults import InjectedFault
 
 if TYPE_CHECKING:
     from flashrecovery.trainer_hooks.session import Session, Stateful, init, init_process_group
@@ -33,7 +32,6 @@ _FROM_SESSION = ("Session", "Stateful", "init", "init_process_group")
 
 __all__ = [
     "FallbackRequired",
-    "InjectedFault",
     "JobFailed",
     "LaunchError",
     "ProtocolError",

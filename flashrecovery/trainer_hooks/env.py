@@ -11,7 +11,7 @@ from typing import TypeVar
 
 from flashrecovery.errors import LaunchError
 from flashrecovery.trainer_hooks import final_state
-from flashrecovery.trainer_hooks.faults import Fault, FaultPlan
+from flashrecovery.trainer_hooks.probe import FaultPlan
 
 CHECKPOINT_DIR = "FLASHRECOVERY_CHECKPOINT_DIR"
 CHECKPOINT_EVERY = "FLASHRECOVERY_CHECKPOINT_EVERY"
@@ -54,8 +54,7 @@ class LaunchEnv:
     spare_id: int | None
     generation: int
     replacement: bool
-    fault: Fault | None
-    fault_plan: FaultPlan
+    fault_plan: FaultPlan  # tests only (trainer_hooks/probe.py)
     final_state_dir: Path | None  # where finish() leaves the final state (final_state.py)
     agent_socket: str  # where heartbeats go, never the log (agent/relay.py)
     agent_link: str  # where the other records go, and decisions come from (agent/links.py)
@@ -94,10 +93,7 @@ class LaunchEnv:
                 generation=int(env.get("FLASHRECOVERY_GENERATION", "0")),
                 replacement=env.get("FLASHRECOVERY_REPLACEMENT") == "1",
                 shards=int(env.get("FLASHRECOVERY_SHARDS", "1")),
-                fault=Fault.parse(env["FLASHRECOVERY_FAULT"])
-                if env.get("FLASHRECOVERY_FAULT")
-                else None,
-                fault_plan=FaultPlan.parse(env.get("FLASHRECOVERY_FAULT_PLAN", "")),
+                fault_plan=FaultPlan.from_environ(env),
                 final_state_dir=Path(env[final_state.ENV]) if env.get(final_state.ENV) else None,
                 node=int(env.get("FLASHRECOVERY_NODE", "0")),
                 agent_socket=need("FLASHRECOVERY_AGENT_SOCKET"),

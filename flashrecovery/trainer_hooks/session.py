@@ -64,6 +64,7 @@ from flashrecovery.trainer_hooks.gradients import ReducedGradients
 from flashrecovery.trainer_hooks.groups import Group
 from flashrecovery.trainer_hooks.heartbeat import HeartbeatThread
 from flashrecovery.trainer_hooks.position import DataPosition
+from flashrecovery.trainer_hooks.probe import Point, Probe
 
 if TYPE_CHECKING:
     from flashrecovery.trainer_hooks.checkpoint import Checkpointer
@@ -128,6 +129,8 @@ class Session:
         )
         self._checkpoints = None if env.checkpoint_dir is None else self._checkpointer()
         self._checkpoint_due = False  # the step just committed is saved as the next begins
+        # Test-only faults (trainer_hooks/probe.py): without a plan it does nothing.
+        self._probe = Probe(env.fault_plan, lambda index: self._store.add(f"fault/{index}", 1) == 1)
         self._follower = DecisionFollower(self._link, self._on_regroup)
         self._heartbeat = HeartbeatThread(env.agent_socket, env.heartbeat_interval_s, self._beat)
         self._follower.start()
@@ -336,7 +339,7 @@ class Session:
         if step is None:
             raise RuntimeError("session.commit() outside a step of session.steps()")
         assert self._formed is not None and self._model is not None and self._optimizer is not None
-        self._fault("before_reduce", step)
+        self._probe(Point.BEFORE_REDUCE, self._rank, step)
         self._waiting = True  # heartbeats now say: held up by the peers, if anyone
         try:
             reduced = None
@@ -344,7 +347,7 @@ class Session:
                 params = [p for p in self._model.parameters() if p.requires_grad]
                 assert self._group is not None  # formed with the hook's own reduce (_form)
                 reduced = ReducedGradients.reduce(self._group, params, self._superseded)
-            self._fault("after_reduce", step)
+            self._probe(Point.AFTER_REDUCE, self._rank, step)
             failure = self._stable.error()  # a collective of the user's failed this step
         except (RuntimeError, Superseded) as exc:  # a peer vanished (gloo fails within
             failure = str(exc)  # milliseconds), or one stuck in its own code held the sum up
@@ -382,7 +385,7 @@ class Session:
         session's threads. A member lost after the last commit is replaced meanwhile like any
         other (this rank may be its donor), so the job still ends with every rank."""
         if self._rank is not None:
-            self._fault("finish", self._committed_step)
+            self._probe(Point.FINISH, self._rank, self._committed_step)
             try:
                 while not self._barrier(self._generation, "done"):
                     self._recover()
@@ -400,7 +403,7 @@ class Session:
                 ).write(self._env.final_state_dir)
         self._close()
         if self._rank is not None:
-            self._fault("exit", self._committed_step)
+            self._probe(Point.EXIT, self._rank, self._committed_step)
 
     def __enter__(self) -> Session:
         return self
@@ -509,11 +512,11 @@ class Session:
                 raise ReplacedError(f"rank {self.rank} was declared failed and replaced")
             self._generation = generation
             try:
-                self._fault("regroup", self._committed_step)
+                self._probe(Point.REGROUP, self._rank, self._committed_step)
                 # No barrier of all members: forming waits for nobody (groups.py), and the
                 # engine plans the resume once every member regrouped.
                 if not self._superseded():
-                    self._fault("group_build", self._committed_step)
+                    self._probe(Point.GROUP_BUILD, self._rank, self._committed_step)
                     self._form(generation)
                     self._append(
                         RankRegrouped,
@@ -568,7 +571,9 @@ class Session:
                     self._replicated(),
                     own,
                     stripe,
-                    after_header=lambda: self._fault("donor_send", self._committed_step),
+                    after_header=lambda: self._probe(
+                        Point.DONOR_SEND, self._rank, self._committed_step
+                    ),
                 )
         elif self.rank in plan.recipients:
             started = time.perf_counter()
@@ -596,7 +601,7 @@ class Session:
         checkpoint the engine named, and the job resumes after its step."""
         if self._checkpoints is None or plan.path is None or plan.step is None:
             raise ProtocolError("a checkpoint fallback, but this job writes no checkpoints")
-        self._fault("checkpoint_load", plan.step)
+        self._probe(Point.CHECKPOINT_LOAD, self._rank, plan.step)
         assert self._optimizer is not None
         started = time.perf_counter()
         self._checkpoints.prepare_load(self._optimizer)
@@ -697,17 +702,6 @@ class Session:
         if group is not None:
             groups.drop(group)
         inflight.release_finished()
-
-    # ------------------------------------------------------------------ faults (tests)
-
-    def _fault(self, where: str, step: int) -> None:
-        """Fail here if a test planned it (trainer_hooks/faults.py)."""
-        if self._env.fault is not None:
-            self._env.fault.check(where, step)
-        if self._rank is not None:
-            self._env.fault_plan.check(
-                where, self._rank, step, lambda index: self._store.add(f"fault/{index}", 1) == 1
-            )
 
     # ------------------------------------------------------------------ records
 

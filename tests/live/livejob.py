@@ -25,7 +25,7 @@ from flashrecovery.agent import Agent, AgentConfig
 from flashrecovery.connectors import LogConnector, open_log
 from flashrecovery.connectors.follow import StreamCursor
 from flashrecovery.records import Envelope, Stream
-from flashrecovery.trainer_hooks.faults import FaultPlan
+from flashrecovery.trainer_hooks.probe import FaultPlan
 
 SCRIPT = Path(__file__).parent.parent / "scripts" / "train_mlp.py"
 EXAMPLES = Path(__file__).parent.parent.parent / "examples"
@@ -120,7 +120,6 @@ def run_job(
     *,
     nproc: int = WORLD,
     spares: int = 0,
-    faults: dict[int, str] | None = None,
     fault_plan: list[str] | None = None,
     kill_at: dict[int, int] | None = None,
     log_url: str | None = None,
@@ -157,7 +156,6 @@ def run_job(
             heartbeat_interval_s=HEARTBEAT_S,
             stall_floor_s=stall_floor_s,
             external_engine=external_engine,
-            faults=faults or {},
             fault_plan=FaultPlan.parse(",".join(fault_plan or [])),
             output_dir=tmp_path / "output",
             max_replacements=max_replacements,

@@ -14,6 +14,7 @@ from livejob import SCRIPT, run_job
 from flashrecovery.cli import main
 from flashrecovery.connectors import open_log
 from flashrecovery.records import Stream
+from flashrecovery.trainer_hooks import probe
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -27,7 +28,6 @@ pytestmark = pytest.mark.timeout(120)
         (["--log", "nope", str(SCRIPT)], "malformed"),
         (["--log", "gopher://x", str(SCRIPT)], "unknown scheme"),
         (["--log", "memory://", str(SCRIPT)], "one process"),
-        (["--fault", "5:raise@1", str(SCRIPT)], "outside"),
     ],
 )
 def test_bad_arguments_fail_before_anything_starts(
@@ -43,6 +43,26 @@ def test_bad_arguments_fail_before_anything_starts(
     assert main(["run", *args]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+@pytest.mark.parametrize(
+    ("plan", "message"),
+    [("5:raise@1", "rank outside 0..1"), ("1:explode@3", "kind one of before_reduce")],
+)
+def test_a_bad_fault_plan_in_the_launch_environment_fails_before_anything_starts(
+    plan: str,
+    message: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Faults are test-only: no flag of `run` names them, the launch environment does."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(probe.ENV, plan)
+    assert main(["run", "--nproc-per-node", "2", str(SCRIPT)]) == 2
+    err = capsys.readouterr().err
+    assert probe.ENV in err and message in err
+    assert not (tmp_path / "runs").exists()
 
 
 def test_no_replica_left_falls_back_and_fails(tmp_path: Path) -> None:

@@ -91,7 +91,7 @@ def test_ddp_kill_without_spare(tmp_path: Path, ddp_reference: torch.Tensor) -> 
 def test_ddp_kill_between_reduce_and_vote(tmp_path: Path, ddp_reference: torch.Tensor) -> None:
     """DDP's all-reduce succeeded everywhere, then a rank dies before its vote: the step
     must not commit for anyone (the survivors' optimizers never step on it)."""
-    job = run_job(tmp_path, spares=1, faults={0: "after_reduce@8"}, script_args=DDP)
+    job = run_job(tmp_path, spares=1, fault_plan=["0:after_reduce@8"], script_args=DDP)
     assert_lossless(job, ddp_reference, incidents=1)
     assert_survivors_kept(job, failed={0})
     committed = {r.step for r in job.records(type="step_completed") if r.generation == 0}

@@ -70,7 +70,7 @@ def test_kill_without_spare_spawns_a_replacement(tmp_path: Path, reference: torc
 
 
 def test_two_failures_one_of_them_an_exception(tmp_path: Path, reference: torch.Tensor) -> None:
-    job = run_job(tmp_path, spares=1, kill_at={1: 5}, faults={2: "raise@14"})
+    job = run_job(tmp_path, spares=1, kill_at={1: 5}, fault_plan=["2:raise@14"])
     assert_lossless(job, reference, incidents=2)
     assert_survivors_kept(job, failed={1, 2})
     assert [i.failed_rank for i in job.decisions("incident_closed")] == [1, 2]
@@ -82,7 +82,7 @@ def test_two_failures_one_of_them_an_exception(tmp_path: Path, reference: torch.
 def test_kill_between_reduce_and_vote(tmp_path: Path, reference: torch.Tensor) -> None:
     """The delicate point: the survivors hold reduced gradients that include the dead rank's,
     yet the step must not commit for anyone; it is recomputed with the replacement."""
-    job = run_job(tmp_path, spares=1, faults={0: "after_reduce@8"})
+    job = run_job(tmp_path, spares=1, fault_plan=["0:after_reduce@8"])
     assert_lossless(job, reference, incidents=1)
     assert_survivors_kept(job, failed={0})
     committed = {(r.rank, r.step) for r in job.records(type="step_completed") if r.generation == 0}
@@ -94,7 +94,7 @@ def test_kill_between_reduce_and_vote(tmp_path: Path, reference: torch.Tensor) -
 def test_hung_rank_is_found_by_its_silence(tmp_path: Path, reference: torch.Tensor) -> None:
     """A SIGSTOPped rank blocks its peers' collective; the heartbeat detector finds it, the
     agent SIGKILLs it, which frees the peers at once."""
-    job = run_job(tmp_path, spares=1, faults={1: "hang@6"})
+    job = run_job(tmp_path, spares=1, fault_plan=["1:hang@6"])
     assert_lossless(job, reference, incidents=1)
     assert_survivors_kept(job, failed={1})
     assert [m.rank for m in job.records(type="heartbeat_missed")] == [1]
@@ -124,7 +124,7 @@ def test_stalled_rank_is_found_while_its_heartbeats_go_on(
     tmp_path: Path, reference: torch.Tensor
 ) -> None:
     """Stuck in its own code (not dead, still beating) while its peers wait in the commit."""
-    job = run_job(tmp_path, spares=1, faults={1: "stall@8"}, stall_floor_s=1.0)
+    job = run_job(tmp_path, spares=1, fault_plan=["1:stall@8"], stall_floor_s=1.0)
     assert_lossless(job, reference, incidents=1)
     assert_survivors_kept(job, failed={1})
     suspected = [s.rank for s in job.records(type="stall_suspected")]
@@ -143,7 +143,7 @@ def test_a_rank_that_dies_after_it_finished_does_not_hold_the_job(
     """Its work is done and its RankFinished in the log: a crash in its teardown is recorded,
     nobody replaces it, and the job completes at once instead of waiting for it to come back
     (it waited 120 s, then failed)."""
-    job = run_job(tmp_path, faults={1: f"exit@{STEPS - 1}"})
+    job = run_job(tmp_path, fault_plan=[f"1:exit@{STEPS - 1}"])
     assert job.exit_code == 0, job.records(type="job_finished")
     exits = [r for r in job.records(type="rank_exited") if r.rank == 1]
     assert [(r.exit_code, r.signal) for r in exits] == [(None, 9)]
@@ -161,7 +161,7 @@ def test_rank_lost_after_the_last_commit_is_still_replaced(
 ) -> None:
     """The peers wait for each other before reporting finished, so a rank that dies once the
     work is done is replaced from a live replica and the job still ends with every rank."""
-    job = run_job(tmp_path, spares=1, faults={1: f"finish@{STEPS - 1}"})
+    job = run_job(tmp_path, spares=1, fault_plan=[f"1:finish@{STEPS - 1}"])
     assert job.exit_code == 0, job.records(type="job_finished")
     for rank in range(WORLD):
         assert torch.equal(job.final(rank)["params"], reference), f"rank {rank} diverged"
