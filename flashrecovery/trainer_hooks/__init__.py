@@ -8,8 +8,8 @@ for step in session.steps(total):
 session.finish()
 
 The session (and torch with it) is imported on first use: the agent imports this package's
-launch environment and fault probe, and an agent that imported torch took 2-3 s more of CPU to start, on every node
-and in every fresh replacement's launch.
+launch environment and fault probe, and an agent that imported torch would take seconds more of
+CPU to start, on every node and in every fresh replacement's launch.
 """
 
 from __future__ import annotations
