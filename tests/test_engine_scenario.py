@@ -388,3 +388,23 @@ def test_a_failure_once_ranks_have_finished_opens_no_incident() -> None:
     finished, _, _ = world.finish()
     assert drive(log, engine, world, [finished, world.kill(1)]) == []
     assert engine.state.incidents == []
+
+
+def test_an_isolated_rank_whose_process_exits_after_the_job_failed_is_no_engine_fault() -> None:
+    """A crash loop fails the job with the rank isolated and nothing placed; its process's exit
+    reported after that (or reported twice) must neither replace it nor stop the engine."""
+    log, world = MemoryLog(), SimulatedWorld(JOB, world_size=2, spares=0)
+    engine = EngineLoop(log, JOB)
+    started, *rest = world.start()
+    drive(log, engine, world, [started.model_copy(update={"max_replacements": 1}), *rest])
+    drive(log, engine, world, world.train(2))
+    kill = world.kill(1)
+    log.append(Stream.EVENTS, kill)
+    engine.apply(log.read(Stream.EVENTS, JOB, engine.next_position))
+    assert engine.state.job.state == "failed"
+    decided = len(log.read(Stream.DECISIONS, JOB))
+    log.append(Stream.EVENTS, kill.model_copy(update={"ts": kill.ts + 0.5}))
+    engine.apply(log.read(Stream.EVENTS, JOB, engine.next_position))
+    assert len(log.read(Stream.DECISIONS, JOB)) == decided
+    assert engine.state.engine_faults == [] and engine.state.fenced == 1
+    assert replay_job(log, JOB).ok

@@ -54,8 +54,11 @@ def fail_node(ctx: Context, node: int, failure_ts: float, reason: str) -> None:
     ctx.emit(IsolateNode, node=node, pid=view.pid, ranks=held, reason=reason)
     # A rank already isolated whose replacement was to come from this node needs another.
     for rank in held:
-        if state.ranks[rank].machine.state == RankState.ISOLATED:
-            place(ctx, [rank], _incident_of(state, rank).incident_id)
+        if state.ranks[rank].machine.state is not RankState.ISOLATED:
+            continue
+        incident = _incident_of(state, rank)
+        if incident is not None:
+            place(ctx, [rank], incident.incident_id)
     fail_ranks(ctx, held, failure_ts, reason, node=node)
 
 
@@ -169,13 +172,16 @@ def replacement_died(ctx: Context, rank: int, error: str) -> None:
     """The process chosen to replace ``rank`` died before it took over: it counts as another
     failure of the rank (a script that can't start loops here), then try again."""
     incident = _incident_of(ctx.state, rank)
+    if incident is None:  # the job failed already: nothing is replaced any more
+        ctx.state.fenced += 1
+        return
     if not _guard_tripped(ctx, [rank], error, incident):
         place(ctx, [rank], incident.incident_id)
 
 
-def _incident_of(state: EngineState, rank: int) -> Incident:
-    """The newest open incident that replaces ``rank``."""
-    return next(i for i in reversed(state.open_incidents()) if rank in i.failed_ranks)
+def _incident_of(state: EngineState, rank: int) -> Incident | None:
+    """The newest open incident that replaces ``rank`` (None once the job failed)."""
+    return next((i for i in reversed(state.open_incidents()) if rank in i.failed_ranks), None)
 
 
 def place(ctx: Context, ranks: list[int], incident_id: str) -> None:
