@@ -34,7 +34,7 @@ from flashrecovery.demo.summary import (
     summarize,
 )
 from flashrecovery.demo.train import build
-from flashrecovery.demo.watch import Kill
+from flashrecovery.demo.watch import Kill, KillOutcome
 from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.records import RankJoined, RankRegrouped, RegroupPlanned, Stream
 from flashrecovery.trainer_hooks.final_state import parameters_sha256
@@ -206,7 +206,9 @@ def test_summary_of_a_scripted_recovery(tmp_path: Path) -> None:
         engine = EngineLoop(log, "scripted")
         drive(log, engine, world, world.start())
         drive(log, engine, world, world.train(3))
-        kill = Kill(1, 3, pid=world.pids[1], committed=2, ts=world.clock, outcome="killed")
+        kill = Kill(
+            1, 3, pid=world.pids[1], committed=2, ts=world.clock, outcome=KillOutcome.KILLED
+        )
         drive(log, engine, world, [world.kill(1)])
         drive(log, engine, world, world.train(3))
         drive(log, engine, world, world.finish())

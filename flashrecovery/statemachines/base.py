@@ -1,7 +1,9 @@
 """What every machine shares: declared as data for `transitions`, stamped, strict.
 
-Each transition is stamped with the log position, timestamp and type of the record that caused
-it; an illegal trigger raises IllegalTransition (never ignored) so the engine can report it.
+The engine's machines stamp each transition with the log position, timestamp and type of the
+record that caused it; the hook's session machine moves on what its own process does, with no
+record behind it. An illegal trigger raises IllegalTransition (never ignored) so that whoever
+drives the machine reports it.
 """
 
 from __future__ import annotations
@@ -39,6 +41,13 @@ class Trigger(StrEnum):
     FINISH = "finish"
     FALL_BACK = "fall_back"
     COMPLETE = "complete"
+    # The hook's session machine (statemachines/session.py)
+    STANDBY = "standby"
+    ASSIGN = "assign"
+    FORM = "form"
+    BEGIN_STEP = "begin_step"
+    VOTE = "vote"
+    COMMIT = "commit"
 
 
 def arc(trigger: Trigger, source: StrEnum | Sequence[StrEnum], dest: StrEnum) -> dict[str, Any]:

@@ -10,17 +10,19 @@ from __future__ import annotations
 import argparse
 import inspect
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from flashrecovery.statemachines.base import StateMachine
 from flashrecovery.statemachines.incident import IncidentMachine
 from flashrecovery.statemachines.job import JobMachine
 from flashrecovery.statemachines.rank import RankMachine
+from flashrecovery.statemachines.session import SessionMachine
 
-MACHINES: dict[str, type[StateMachine]] = {
+MACHINES: dict[str, type[StateMachine[Any]]] = {
     "rank": RankMachine,
     "job": JobMachine,
     "incident": IncidentMachine,
+    "session": SessionMachine,
 }
 DOC_PATH = Path("docs/machines.md")
 
@@ -33,7 +35,7 @@ class Edge(NamedTuple):
     dest: str
 
 
-def edges(machine: type[StateMachine]) -> list[Edge]:
+def edges(machine: type[StateMachine[Any]]) -> list[Edge]:
     """Every arc of the declaration, in declaration order (``"*"`` means every state)."""
     out: list[Edge] = []
     for transition in machine.TRANSITIONS:
@@ -46,7 +48,7 @@ def edges(machine: type[StateMachine]) -> list[Edge]:
     return out
 
 
-def mermaid(machine: type[StateMachine]) -> str:
+def mermaid(machine: type[StateMachine[Any]]) -> str:
     """The machine as a `stateDiagram-v2`: start arrow, one labelled arrow per arc, and an
     end arrow from every state nothing leaves."""
     arcs = edges(machine)
@@ -57,7 +59,7 @@ def mermaid(machine: type[StateMachine]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _summary(machine: type[StateMachine]) -> str:
+def _summary(machine: type[StateMachine[Any]]) -> str:
     module = inspect.getmodule(machine)
     doc = (module.__doc__ if module else None) or ""
     return doc.strip().splitlines()[0] if doc.strip() else ""

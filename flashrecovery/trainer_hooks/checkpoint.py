@@ -106,6 +106,7 @@ class Checkpointer:
         self._written = threading.Event()
         self._written.set()
         self._finishers: list[threading.Thread] = []
+        self.due_next = False  # the step just committed is saved as the next one begins
 
     def due(self, step: int) -> bool:
         return (step + 1) % self.every == 0
