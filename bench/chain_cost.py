@@ -2,31 +2,26 @@
 the bytes it adds, a durable append on the embedded log with and without it, and verifying.
 Writes bench/results/chain_cost.json and .png, prints a table.
 
-    python bench/chain_cost.py [--ranks 8] [--steps 300]
+    python -m bench.chain_cost [--ranks 8] [--steps 300]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-from harness import machine, stacked_bars, table, write_json
 from rich.console import Console
 
+from bench.lib.results import machine, stacked_bars, table, write_json
 from flashrecovery.connectors import open_log
 from flashrecovery.connectors.base import Entry
 from flashrecovery.connectors.chain import ChainWriter
 from flashrecovery.records import Envelope, Stream, dump_record
 from flashrecovery.replay.verify import verify
-
-# The scripted world (no torch) lives with the tests: tests/simworld.py.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from simworld import SimulatedWorld
+from flashrecovery.testing.simworld import SimulatedWorld
 
 
 def workload(ranks: int, steps: int) -> list[Envelope]:

@@ -1,6 +1,6 @@
 """What checkpoints cost a step, and how long a checkpoint fallback takes (pure FSDP).
 
-    python bench/checkpoint.py [--rounds 3] [--steps 40] [--every 4] [--kills 3] [--quick]
+    python -m bench.checkpoint [--rounds 3] [--steps 40] [--every 4] [--kills 3] [--quick]
 
 Cost: the demo's GPT sharded with FSDP2 over 2 ranks (``--parallel fsdp``, no replica) runs
 ``--steps`` steps with checkpoints every ``--every`` steps and without, the two alternating
@@ -24,9 +24,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from harness import job_spec, machine, stacked_bars, table, write_json
 from rich.console import Console
 
+from bench.lib.launch import job_spec
+from bench.lib.results import machine, stacked_bars, table, write_json
 from flashrecovery.connectors import open_log
 from flashrecovery.demo.job import JobSpec, LaunchedJob
 from flashrecovery.demo.summary import incidents

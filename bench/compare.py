@@ -1,6 +1,6 @@
 """Four ways to survive a SIGKILL, side by side: the same model, the same kills, one command.
 
-    python bench/compare.py [--models gpt mlp] [--worlds 2 4] [--kills 5] [--rounds 5] [--quick]
+    python -m bench.compare [--models gpt mlp] [--worlds 2 4] [--kills 5] [--rounds 5] [--quick]
 
 Systems (each a real job of real processes on this machine):
 - flashrecovery, hot spare: `flashrecovery run --spares 1`; a ready spare takes the rank over;
@@ -44,9 +44,10 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from harness import job_spec, machine, stacked_bars, table, write_json
 from rich.console import Console
 
+from bench.lib.launch import job_spec
+from bench.lib.results import machine, ms, stacked_bars, table, write_json
 from flashrecovery.connectors import open_log
 from flashrecovery.demo.job import JobSpec, LaunchedJob
 from flashrecovery.demo.watch import JobWatch
@@ -416,14 +417,10 @@ def measure_config(
     return {"model": model, "world_size": world, "systems": summaries}
 
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value * 1000:.0f}"
-
-
 def _spread_ms(spread: dict[str, float] | None) -> str:
     if spread is None:
         return "-"
-    return f"{_ms(spread['median'])} [{_ms(spread['min'])}..{_ms(spread['max'])}]"
+    return f"{ms(spread['median'])} [{ms(spread['min'])}..{ms(spread['max'])}]"
 
 
 def _ratio(value: float | None) -> str:

@@ -1,21 +1,20 @@
 """Records/s through the engine's decide step (pure, in memory) and through the engine loop on
 the embedded log. Writes bench/results/decide_throughput.json and prints a table.
 
-    python bench/decide_throughput.py [--ranks 64] [--steps 200]
+    python -m bench.decide_throughput [--ranks 64] [--steps 200]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
+from bench.lib.results import RESULTS
 from flashrecovery.connectors import open_log
 from flashrecovery.connectors.base import Entry
 from flashrecovery.engine.decide import decide
@@ -23,12 +22,7 @@ from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.engine.state import EngineState
 from flashrecovery.logs import configure_logging
 from flashrecovery.records import Envelope, Stream, dump_record
-
-# The scripted world (no torch) lives with the tests: tests/simworld.py.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from simworld import SimulatedWorld
-
-RESULTS = Path(__file__).parent / "results"
+from flashrecovery.testing.simworld import SimulatedWorld
 
 
 def workload(ranks: int, steps: int) -> list[Envelope]:

@@ -1,8 +1,8 @@
 """Detection-to-decision latency per log backend: from a RankExited record appended by the agent
 to the IsolateRank decision readable by a follower (engine loop running in its own thread).
 
-    python bench/decision_latency.py [--trials 20] [--kafka 127.0.0.1:9092]
-    python bench/decision_latency.py --relay [--ranks 4] [--trials 30] [--quick]
+    python -m bench.decision_latency [--trials 20] [--kafka 127.0.0.1:9092]
+    python -m bench.decision_latency --relay [--ranks 4] [--trials 30] [--quick]
 
 Without --kafka it starts the project's own broker (flashrecovery broker) for the run.
 Writes bench/results/decision_latency.json and prints a table.
@@ -36,6 +36,7 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
+from bench.lib.results import RESULTS, machine
 from flashrecovery.agent.job import FOLLOW_TIMEOUT_S as AGENT_FOLLOW_S
 from flashrecovery.agent.links import ProcessLinks
 from flashrecovery.connectors import open_log
@@ -44,18 +45,12 @@ from flashrecovery.connectors.follow import StreamCursor
 from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.logs import configure_logging
 from flashrecovery.records import Decision, Envelope, RegroupPlanned, Stream
+from flashrecovery.testing.simworld import SimulatedWorld
 from flashrecovery.trainer_hooks.agent_link import AgentLink
 from flashrecovery.trainer_hooks.decisions import FOLLOW_TIMEOUT_S as RANK_FOLLOW_S
 from flashrecovery.trainer_hooks.decisions import PROCESS_DECISIONS, DecisionFollower
 
-# The scripted world (no torch) lives with the tests: tests/simworld.py.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from simworld import SimulatedWorld
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import machine
-
-RESULTS = Path(__file__).parent / "results"
+REPO = Path(__file__).resolve().parent.parent  # the followers run as `python -m bench.…` there
 
 
 def follow_until(
@@ -179,9 +174,19 @@ def relay_round(tmp: Path, relay: bool, ranks: int, trials: int) -> list[list[fl
             stack.callback(thread.join)
             stack.callback(stop.set)
             link_path = links.path
-        command = [sys.executable, __file__, "--follower", url, job, link_path]
+        command = [
+            sys.executable,
+            "-m",
+            "bench.decision_latency",
+            "--follower",
+            url,
+            job,
+            link_path,
+        ]
         children = [
-            subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            subprocess.Popen(
+                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO
+            )
             for _ in range(ranks)
         ]
         for child in children:

@@ -1,6 +1,6 @@
 """Does the engine's work per record stay flat as the world grows?
 
-    python bench/engine_scale.py [--worlds 100 1000 10000 100000] [--steps 3] [--quick]
+    python -m bench.engine_scale [--worlds 100 1000 10000 100000] [--steps 3] [--quick]
 
 A scripted world (tests/simworld.py: no torch, no log) of each size starts, trains a few steps
 (a heartbeat and a step record per rank per step) and loses one rank; the pure decide step is
@@ -13,15 +13,13 @@ regroups. Writes bench/results/engine_scale.json, a table and bench/results/engi
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import matplotlib
-from harness import RESULTS, machine, table, write_json
 from rich.console import Console
 
+from bench.lib.results import RESULTS, machine, table, write_json
 from flashrecovery.engine.decide import decide
 from flashrecovery.engine.state import EngineState
 from flashrecovery.records import Decision, Envelope
@@ -29,9 +27,7 @@ from flashrecovery.records import Decision, Envelope
 matplotlib.use("Agg")
 from matplotlib import pyplot as plt  # after use("Agg")
 
-# The scripted world (no torch) lives with the tests: tests/simworld.py.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from simworld import SimulatedWorld
+from flashrecovery.testing.simworld import SimulatedWorld
 
 
 class Timed:

@@ -1,6 +1,6 @@
 """Throughput of the Kafka log through the connector, on a broker this script starts itself.
 
-Run ``python bench/kafka_throughput.py [--records N] [--rounds R] [--bootstrap HOST:PORT]
+Run ``python -m bench.kafka_throughput [--records N] [--rounds R] [--bootstrap HOST:PORT]
 [--quick]``. It times the broker's start, then runs the phases of ``log_throughput.py`` (writes
 one by one, in batches and without waiting; from several processes; reads; a follower) on fresh
 topics, in interleaved rounds (a job read alone gets topics of its own each round), and writes
@@ -13,19 +13,18 @@ from __future__ import annotations
 import argparse
 import time
 import uuid
-from pathlib import Path
 
-from log_throughput import add_arguments, apply_quick, publish, run  # bench/ is on sys.path
-
+from bench.lib.results import RESULTS
+from bench.log_throughput import add_arguments, apply_quick, publish, run
 from flashrecovery.connectors.kafka_broker import KAFKA_VERSION, KafkaBroker, ensure_jars
 
-RESULTS = Path(__file__).resolve().parent / "results" / "kafka_throughput.json"
+OUT = RESULTS / "kafka_throughput.json"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser)
-    parser.set_defaults(out=RESULTS)
+    parser.set_defaults(out=OUT)
     parser.add_argument("--partitions", type=int, default=1, help="partitions per topic")
     parser.add_argument("--bootstrap", help="an already running broker (default: start one)")
     parser.add_argument("--setting", action="append", default=[], help="NAME=VALUE for the URL")

@@ -1,7 +1,7 @@
 """Throughput of the event log: writes one by one, in batches and handed over without waiting,
 from one writer and from several processes; reads of a whole job and a follower's view.
 
-Run ``python bench/log_throughput.py [--records N] [--rounds R] [--url URL] [--quick]``. The
+Run ``python -m bench.log_throughput [--records N] [--rounds R] [--url URL] [--quick]``. The
 default is a fresh embedded log in a temporary directory; any log URL works, since every phase
 uses its own job id. The phases run in rounds, interleaved, so the machine's noise hits all
 alike; each phase's figure is the median of its rounds (min and max beside it), and the load
@@ -31,13 +31,15 @@ import matplotlib
 from rich.console import Console
 from rich.table import Table
 
+from bench.lib.results import RESULTS
+from bench.lib.stats import percentile
 from flashrecovery.connectors import Entry, LogConnector, open_log
 from flashrecovery.records import Heartbeat, Stream
 
 matplotlib.use("Agg")  # files only, never a window
 from matplotlib import pyplot as plt  # after use("Agg"): the backend must be chosen first
 
-RESULTS = Path(__file__).resolve().parent / "results" / "log_throughput.json"
+OUT = RESULTS / "log_throughput.json"
 BATCH = 500  # records per append_many in the batched phase
 BULK = 5  # the batched and async phases write BULK x --records (they are fast)
 LABELS = {
@@ -55,11 +57,6 @@ WAIT_S = 120.0
 def heartbeat(job_id: str, step: int, rank: int = 0) -> Heartbeat:
     return Heartbeat(job_id=job_id, generation=0, source=f"rank:{rank}", rank=rank, step=step,
                      pid=os.getpid(), host="bench")  # fmt: skip
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 class Timer:
@@ -373,7 +370,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--writers", type=int, default=4, help="writer processes")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of all phases")
     parser.add_argument("--quick", action="store_true", help="a seconds-long smoke run (CI)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="where to write the JSON")
+    parser.add_argument("--out", type=Path, default=OUT, help="where to write the JSON")
 
 
 def apply_quick(args: argparse.Namespace) -> None:

@@ -1,8 +1,8 @@
 """Recovery time of a SIGKILLed rank, with a hot spare and with a freshly spawned replacement.
 
-    python bench/rto.py [--worlds 2 4] [--parallel hook ddp hsdp] [--kills 5] [--quick]
+    python -m bench.rto [--worlds 2 4] [--parallel hook ddp hsdp] [--kills 5] [--quick]
                         [--modes "hot spare"] [--group-rebuild fresh reconfigure]
-    python bench/rto.py --nodes [2 3]
+    python -m bench.rto --nodes [2 3]
 
 For each world size and mode, one job of the demo's model runs under `flashrecovery run` while a
 seeded random rank is SIGKILLed from outside, ``--kills`` times, each once the job runs again
@@ -34,9 +34,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from harness import job_spec, machine, stacked_bars, table, write_json
 from rich.console import Console
 
+from bench.lib.launch import job_spec
+from bench.lib.results import machine, ms, stacked_bars, table, write_json
 from flashrecovery.connectors import open_log
 from flashrecovery.demo.job import LaunchedJob
 from flashrecovery.demo.summary import incidents
@@ -185,8 +186,8 @@ def nodes_main(node_counts: list[int], timeout: float, console: Console) -> None
             columns,
             [
                 ["replaced by", *(str(r["replacement"]) for r in rows)],
-                ["RTO from the SIGKILL", *(_ms(r["rto_from_kill_s"]) for r in rows)],
-                *([f"  {s}", *(_ms(segments(r)[s]) for r in rows)] for s in SEGMENTS),
+                ["RTO from the SIGKILL", *(ms(r["rto_from_kill_s"]) for r in rows)],
+                *([f"  {s}", *(ms(segments(r)[s]) for r in rows)] for s in SEGMENTS),
             ],
         )
     )
@@ -256,10 +257,6 @@ def aggregate(
 def _label(config: dict[str, Any]) -> str:
     rebuild = "" if config["group_rebuild"] == "fresh" else f" ({config['group_rebuild']})"
     return f"{config['world_size']} {config['parallel']}{rebuild}"
-
-
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1000:.0f}"
 
 
 def _ms2(ms: float | None) -> str:
@@ -346,9 +343,9 @@ def main() -> None:
                 ["kills measured", *(str(c["kills_measured"]) for c in configs)],
                 ["state moved, kB", *(_kb(c["median_bytes_moved"]) for c in configs)],
                 ["restore (transfer), ms", *(_ms2(c["median_restore_ms"]) for c in configs)],
-                ["RTO from the SIGKILL", *(_ms(c["median_rto_from_kill_s"]) for c in configs)],
-                ["RTO (engine)", *(_ms(c["median_rto_engine_s"]) for c in configs)],
-                *([f"  {s}", *(_ms(c["median_segments_s"][s]) for c in configs)] for s in SEGMENTS),
+                ["RTO from the SIGKILL", *(ms(c["median_rto_from_kill_s"]) for c in configs)],
+                ["RTO (engine)", *(ms(c["median_rto_engine_s"]) for c in configs)],
+                *([f"  {s}", *(ms(c["median_segments_s"][s]) for c in configs)] for s in SEGMENTS),
             ],
         )
     )

@@ -2,7 +2,7 @@
 up to 100,000 ranks through the real engine and log, and a projection to the method's 4,800
 devices (DESIGN.md §8).
 
-    python bench/scale.py [--worlds 2 4 8 16] [--kills 3] [--sim 1000 10000 100000]
+    python -m bench.scale [--worlds 2 4 8 16] [--kills 3] [--sim 1000 10000 100000]
                           [--kafka HOST:PORT] [--name scale] [--compare OLD.json] [--quick]
 
 (a) Real processes: for each world size, one job of a tiny model (examples/train_mlp.py, one
@@ -29,7 +29,6 @@ import argparse
 import json
 import math
 import os
-import sys
 import tempfile
 import time
 import uuid
@@ -37,19 +36,18 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import rto
-from harness import RESULTS, machine, save_figure, stacked_bars, table, write_json
 from matplotlib import pyplot as plt  # harness chose the Agg backend
 from rich.console import Console
 
+from bench import rto
+from bench.lib.results import RESULTS, machine, ms, save_figure, stacked_bars, table, write_json
 from flashrecovery.connectors import open_log
 from flashrecovery.connectors.base import LogConnector
 from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.records import Envelope, IsolateNode, NodeMissed, Stream
 
 # The simulated world (no torch) lives with the tests: tests/simworld.py.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from simworld import SimulatedNodes
+from flashrecovery.testing.simworld import SimulatedNodes
 
 TINY_MODEL = Path(__file__).resolve().parent.parent / "examples" / "train_mlp.py"
 PER_NODE = 8
@@ -86,11 +84,8 @@ def real_table(configs: list[Any], title: str) -> Any:
         ["", *(f"{c['world_size']} ranks" for c in configs)],
         [
             ["kills measured", *(str(c["kills_measured"]) for c in configs)],
-            ["RTO from the SIGKILL", *(rto._ms(c["median_rto_from_kill_s"]) for c in configs)],
-            *(
-                [f"  {s}", *(rto._ms(c["median_segments_s"][s]) for c in configs)]
-                for s in rto.SEGMENTS
-            ),
+            ["RTO from the SIGKILL", *(ms(c["median_rto_from_kill_s"]) for c in configs)],
+            *([f"  {s}", *(ms(c["median_segments_s"][s]) for c in configs)] for s in rto.SEGMENTS),
             ["load (1 min) before", *(f"{c['loadavg_before'][0]:.1f}" for c in configs)],
         ],
     )
@@ -105,10 +100,10 @@ def regroup_comparison(before: list[Any], after: list[Any]) -> Any:
         rows.append(
             [
                 str(c["world_size"]),
-                rto._ms(b["median_segments_s"]["regrouped"]) if b else "-",
-                rto._ms(c["median_segments_s"]["regrouped"]),
-                rto._ms(b["median_rto_from_kill_s"]) if b else "-",
-                rto._ms(c["median_rto_from_kill_s"]),
+                ms(b["median_segments_s"]["regrouped"]) if b else "-",
+                ms(c["median_segments_s"]["regrouped"]),
+                ms(b["median_rto_from_kill_s"]) if b else "-",
+                ms(c["median_rto_from_kill_s"]),
             ]
         )
     return table(

@@ -1,6 +1,6 @@
 """Soak: many faults, in several `flashrecovery chaos` runs, and what recovery cost each kind.
 
-    python bench/soak.py [--faults 100] [--per-run 10] [--seed 0] [--quick]
+    python -m bench.soak [--faults 100] [--per-run 10] [--seed 0] [--quick]
                          [--external-engine] [--kafka]
 
 Each run is the chaos command as a user runs it (its own seed, a fault-free reference, a seeded
@@ -27,9 +27,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import RESULTS, machine, plt, save_figure, table, write_json
-from log_throughput import percentile
 from rich.console import Console
+
+from bench.lib.results import RESULTS, machine, plt, save_figure, table, write_json
+from bench.lib.stats import percentile
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_CHECKS = (

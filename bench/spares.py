@@ -1,7 +1,7 @@
 """How the spare pool covers failures in flight: two ranks SIGKILLed at once, and the refill
 policy under repeated kills.
 
-    python bench/spares.py [--rounds 3] [--quick]
+    python -m bench.spares [--rounds 3] [--quick]
 
 Scenarios, each one job of the demo's model on 4 ranks under `flashrecovery run`:
 - double kill: two ranks SIGKILLed in the same instant, with 1 and with 2 spares (each round
@@ -24,9 +24,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from harness import job_spec, machine, stacked_bars, table, write_json
 from rich.console import Console
 
+from bench.lib.launch import job_spec
+from bench.lib.results import machine, stacked_bars, table, write_json
 from flashrecovery.connectors import open_log
 from flashrecovery.demo.job import LaunchedJob
 from flashrecovery.demo.watch import JobWatch

@@ -1,7 +1,7 @@
 """How fast a replica's state moves: GB/s of a peer transfer against the state's size, from 1
 and from 2 donors, beside raw gloo send/recv on the same link (the ceiling).
 
-    python bench/transfer.py [--rounds 3] [--quick]
+    python -m bench.transfer [--rounds 3] [--quick]
 
 Three processes on loopback (a recipient and two donors, one torch thread each) share one gloo
 group. The state is a model of 1024 x 1024 linear layers and its AdamW state after one step
@@ -30,10 +30,10 @@ from multiprocessing.queues import Queue
 from typing import Any
 
 import torch
-from harness import RESULTS, machine, save_figure, table, write_json
 from matplotlib import pyplot as plt
 from rich.console import Console
 
+from bench.lib.results import RESULTS, machine, save_figure, table, write_json
 from flashrecovery.agent.store import JobStore
 from flashrecovery.trainer_hooks import groups, transfer
 

@@ -3,11 +3,9 @@ after a kill, the RTO, the others' stall, the steps lost and the steady step tim
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from compare import Commit, Kill, ProgressTail, job_metrics, kill_metrics, steady_step_times
+from bench.compare import Commit, Kill, ProgressTail, job_metrics, kill_metrics, steady_step_times
 
 KILL_T = 10.5
 

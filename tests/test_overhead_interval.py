@@ -1,15 +1,16 @@
-"""bench/overhead.py's verdict on the 5 % goal (pure): an interval for the median of the
+"""The overhead bench's verdict on the 5 % goal (pure): an interval for the median of the
 repeats' paired overheads from their order statistics, and whether it decides the goal."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from overhead import median_interval, pool, verdict
+from bench.lib.stats import median_interval as interval_at
+from bench.overhead.summary import CONFIDENCE, pool, verdict
+
+
+def median_interval(values: list[float]) -> tuple[float, float, float]:
+    return interval_at(values, CONFIDENCE)
 
 
 @pytest.mark.parametrize(

@@ -1,20 +1,19 @@
-"""bench/overhead.py --phases: two jobs take turns at gates (bench/turns.py, real FIFOs, ranks
-played by threads), and the paired overhead of neighbouring phases (pure), with what the
-waiting hook job takes from the baseline charged against the hook."""
+"""`python -m bench.overhead --phases`: two jobs take turns at gates (bench/overhead/turns.py,
+real FIFOs, ranks played by threads), and the paired overhead of neighbouring phases (pure),
+with what the waiting hook job takes from the baseline charged against the hook."""
 
 from __future__ import annotations
 
 import os
-import sys
 import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from overhead import PARTS, WARMUP, summarize_turns
-from turns import Gates, Turns
+from bench.overhead.sides import PARTS, WARMUP
+from bench.overhead.summary import summarize_turns
+from bench.overhead.turns import Gates, Turns
 
 pytestmark = pytest.mark.timeout(60)
 WAIT_S = 10.0

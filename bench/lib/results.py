@@ -1,9 +1,5 @@
-"""What the recovery benches (rto.py, overhead.py) share: where results go, a job on a
-throw-away log, the machine they ran on, a table and a stacked-bar plot.
-
-Imported as ``from harness import …``: bench scripts run as ``python bench/<name>.py``, which puts
-bench/ on sys.path.
-"""
+"""Where results go and how they are shown: the JSON, the machine they ran on, a table, a
+figure, a stacked-bar plot."""
 
 from __future__ import annotations
 
@@ -17,25 +13,11 @@ import matplotlib
 import torch
 from rich.table import Table
 
-from flashrecovery.demo.job import JobSpec
-
 matplotlib.use("Agg")  # files only, never a window
 from matplotlib import pyplot as plt  # after use("Agg"): the backend must be chosen first
 from matplotlib.figure import Figure
 
-RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def job_spec(name: str, tmp: Path, nproc: int, spares: int, steps: int) -> JobSpec:
-    """The demo's training job on its own embedded log under ``tmp``."""
-    return JobSpec(
-        job_id=name,
-        log_url=f"sqlite://{tmp / name / 'log.db'}",
-        run_dir=tmp / name,
-        nproc=nproc,
-        spares=spares,
-        steps=steps,
-    )
+RESULTS = Path(__file__).resolve().parent.parent / "results"
 
 
 def machine() -> dict[str, Any]:
@@ -63,6 +45,11 @@ def table(title: str, columns: list[str], rows: list[list[str]]) -> Table:
     for row in rows:
         out.add_row(*row)
     return out
+
+
+def ms(seconds: float | None) -> str:
+    """Seconds as whole milliseconds in a table cell ("-" for none)."""
+    return "-" if seconds is None else f"{seconds * 1000:.0f}"
 
 
 def save_figure(fig: Figure, path: Path) -> Path:

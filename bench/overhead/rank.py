@@ -1,10 +1,10 @@
-"""One rank of bench/overhead.py: the same training step with and without the flashrecovery hook.
+"""One rank of the overhead bench: the same training step with and without the hook.
 
 Under ``flashrecovery run`` (the hook's sides) it is a script:
 
-    flashrecovery run --nproc-per-node 2 bench/overhead_rank.py --model mlp --parallel ddp ...
+    flashrecovery run --nproc-per-node 2 bench/overhead/rank.py --model mlp --parallel ddp ...
 
-and bench/overhead.py calls ``plain_rank`` in processes of its own for the baselines (plain torch
+and the bench (sides.py) calls ``plain_rank`` in processes of its own for the baselines (plain torch
 DDP or HSDP over gloo, no hook). Both run ``train``: zero the gradients, forward, backward, then
 (hook) ``session.commit()``, then the optimizer step; each step is timed from the end of the one
 before, in three parts (forward and backward, the commit, the optimizer step).
@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
-from turns import Gate, Gates
 
+from bench.overhead.turns import Gate, Gates
 from flashrecovery.demo.data import BLOCK_SIZE, batch_for, vocabulary
 from flashrecovery.demo.job import HSDP_SHARDS
 from flashrecovery.demo.model import GPTConfig, TinyGPT, lm_loss
@@ -124,7 +124,7 @@ def train(
     reduce when ``parallel`` is "hook"), and the caller's optimizer steps when it commits.
     ``stable``: DDP on the hook's stable group without a session, its buckets settled as
     ``register()`` settles them. ``gate``: the rank waits for its job's turn at the gate steps
-    (bench/turns.py), the wait counted in no step."""
+    (turns.py), the wait counted in no step."""
     model, batch = model_and_data(name)
     forward = wrap(model, parallel, mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
@@ -210,7 +210,7 @@ def main(argv: list[str]) -> int:
         "--gates",
         nargs=3,
         metavar=("DIR", "FIRST", "EVERY"),
-        help="take turns with another job (bench/turns.py): gates at FIRST, then every EVERY",
+        help="take turns with another job (turns.py): gates at FIRST, then every EVERY",
     )
     args = parser.parse_args(argv)
     gates = None

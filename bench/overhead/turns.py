@@ -1,4 +1,4 @@
-"""Two jobs taking turns on the machine (bench/overhead.py --phases).
+"""Two jobs taking turns on the machine (`python -m bench.overhead --phases`).
 
 A pair of runs started half a minute apart meets a different machine on a shared host: one
 repeat's pair differed from the next by up to 60 points here. So both jobs run at once and take
