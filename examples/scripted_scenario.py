@@ -7,14 +7,10 @@ step 2, recovered, finished. Then inspect it with `flashrecovery events` / `repl
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from flashrecovery.connectors import open_log
-
-# The scripted world (no torch) lives with the tests: tests/simworld.py.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from simworld import scripted_failure
+from flashrecovery.testing.simworld import scripted_failure
 
 
 def main() -> None:

@@ -8,11 +8,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from hypothesis import strategies as st
-from simworld import SimulatedWorld
 
 from flashrecovery.engine.decide import decide
 from flashrecovery.engine.state import EngineState
 from flashrecovery.records import Decision, DecisionRecord, Envelope, EventRecord
+from flashrecovery.testing.simworld import SimulatedWorld
 
 JOB = "job-1"
 T0 = 1_800_000_000.0

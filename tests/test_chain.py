@@ -8,7 +8,6 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-from simworld import SimulatedWorld, drive
 
 from flashrecovery.cli import main
 from flashrecovery.connectors import LogConnector, open_log
@@ -16,6 +15,7 @@ from flashrecovery.connectors.chain import read_streams, seal
 from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.records import JobFinished, StepCompleted, Stream, dump_record
 from flashrecovery.replay.verify import handle_runs, verify
+from flashrecovery.testing.simworld import SimulatedWorld, drive
 
 JOB = "chained"
 

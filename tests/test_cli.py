@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from simworld import SimulatedWorld
 
 from flashrecovery.cli import main
 from flashrecovery.connectors import open_log
 from flashrecovery.records import Stream
+from flashrecovery.testing.simworld import SimulatedWorld
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = "scripted"

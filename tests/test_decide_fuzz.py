@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from factories import JOB, RECORD_TYPES, feed, valid_records
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from simworld import SimulatedWorld, drive
 
 from flashrecovery.connectors.memory import MemoryLog
 from flashrecovery.engine.decide import decide
@@ -18,6 +17,7 @@ from flashrecovery.engine.ingest import ingest
 from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.engine.state import EngineState
 from flashrecovery.records import Decision, Envelope, Stream, decision_id, dump_record, parse_record
+from flashrecovery.testing.simworld import SimulatedWorld, drive
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

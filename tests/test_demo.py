@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 import torch
 from factories import JOB, T0, TYPES_BY_NAME, make
-from simworld import SimulatedWorld, drive
 
 from flashrecovery.connectors import open_log
 from flashrecovery.connectors.memory import MemoryLog
@@ -37,6 +36,7 @@ from flashrecovery.demo.train import build
 from flashrecovery.demo.watch import Kill, KillOutcome
 from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.records import RankJoined, RankRegrouped, RegroupPlanned, Stream
+from flashrecovery.testing.simworld import SimulatedWorld, drive
 from flashrecovery.trainer_hooks.final_state import parameters_sha256
 
 REPO = Path(__file__).resolve().parents[1]

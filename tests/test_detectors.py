@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 from factories import JOB, feed, make, running_job
-from simworld import SimulatedWorld, drive
 
 from flashrecovery.connectors.memory import MemoryLog
 from flashrecovery.engine import detectors
@@ -24,6 +23,7 @@ from flashrecovery.records import (
     StepCompleted,
     Stream,
 )
+from flashrecovery.testing.simworld import SimulatedWorld, drive
 
 SILENT_LIMIT = 3 * 0.5  # JobStarted default missed_heartbeats x the world's interval
 EPS = 1e-3

@@ -3,8 +3,6 @@ the latest complete checkpoint, every member loads it, the incident closes with 
 
 from __future__ import annotations
 
-from simworld import SimulatedWorld, drive
-
 from flashrecovery.connectors.memory import MemoryLog
 from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.records import (
@@ -19,6 +17,7 @@ from flashrecovery.records import (
 )
 from flashrecovery.replay.replayer import replay_job
 from flashrecovery.statemachines.job import JobState
+from flashrecovery.testing.simworld import SimulatedWorld, drive
 
 JOB = "fallback"
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from simworld import SimulatedWorld, scripted_failure
-
 from flashrecovery.connectors.memory import MemoryLog
 from flashrecovery.engine.lease import LeaseBook
 from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.records import Decision, EngineLease, Envelope, Stream
 from flashrecovery.replay.replayer import replay_job
+from flashrecovery.testing.simworld import SimulatedWorld, scripted_failure
 
 JOB = "leased"
 TTL = 1.0  # below the 3 x 0.5 s heartbeat limit, so no detector fires on the jump

@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from simworld import SimulatedWorld, drive, scripted_failure
 from structlog.testing import capture_logs
 
 from flashrecovery.connectors.memory import MemoryLog
 from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.records import Decision, RankExited, Stream
 from flashrecovery.replay.replayer import replay_job
+from flashrecovery.testing.simworld import SimulatedWorld, drive, scripted_failure
 
 JOB = "scripted"
 VOLATILE = {"schema_version", "record_id", "job_id", "source", "ts", "chain"}

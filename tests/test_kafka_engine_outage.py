@@ -7,7 +7,6 @@ import time
 
 import pytest
 from kafka_fixture import fresh_prefix
-from simworld import SimulatedWorld
 
 from flashrecovery.connectors import open_log
 from flashrecovery.connectors.kafka_broker import KafkaBroker
@@ -15,6 +14,7 @@ from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.errors import LogError
 from flashrecovery.records import Decision, Envelope, Stream
 from flashrecovery.replay.replayer import replay_job
+from flashrecovery.testing.simworld import SimulatedWorld
 
 pytestmark = pytest.mark.kafka
 JOB = "outage"

@@ -10,7 +10,6 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from simworld import SimulatedWorld, scripted_failure
 
 from flashrecovery.connectors import open_log
 from flashrecovery.connectors.base import LogConnector
@@ -18,6 +17,7 @@ from flashrecovery.connectors.memory import MemoryLog
 from flashrecovery.engine.lease import LeaseBook
 from flashrecovery.records import Decision, EngineLease, Envelope, Stream
 from flashrecovery.replay.replayer import replay_job
+from flashrecovery.testing.simworld import SimulatedWorld, scripted_failure
 
 pytestmark = pytest.mark.kafka
 JOB = "failover"

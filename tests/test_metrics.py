@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 from scrape import scrape, value
-from simworld import SimulatedWorld, scripted_failure
 
 from flashrecovery.connectors import open_log
 from flashrecovery.connectors.memory import MemoryLog
 from flashrecovery.observe.metrics import JobFold, families
 from flashrecovery.records import Stream
+from flashrecovery.testing.simworld import SimulatedWorld, scripted_failure
 
 JOB = "scripted"
 ROOT = Path(__file__).resolve().parents[1]

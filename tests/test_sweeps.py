@@ -10,13 +10,13 @@ from collections import Counter
 
 from factories import feed
 from hypothesis import given
-from simworld import SimulatedWorld
 from test_decide_fuzz import FUZZ, SCRIPT, SPLICES, spliced
 
 from flashrecovery.engine import detectors
 from flashrecovery.engine.decide import decide
 from flashrecovery.engine.state import EngineState
 from flashrecovery.records import Decision, Envelope
+from flashrecovery.testing.simworld import SimulatedWorld
 
 JOB = SCRIPT[0].job_id
 

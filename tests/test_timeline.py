@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 from matplotlib import image
-from simworld import scripted_failure, scripted_hang
 
 from flashrecovery.cli import main
 from flashrecovery.connectors import open_log
@@ -17,6 +16,7 @@ from flashrecovery.replay.plot import render
 from flashrecovery.replay.replayer import replay_job
 from flashrecovery.replay.timeline import build
 from flashrecovery.statemachines.incident import PHASES
+from flashrecovery.testing.simworld import scripted_failure, scripted_hang
 
 JOB = "scripted"
 

@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-from simworld import scripted_failure, scripted_hang
 
 from flashrecovery.cli import main
 from flashrecovery.connectors import open_log
@@ -15,6 +14,7 @@ from flashrecovery.connectors.memory import MemoryLog
 from flashrecovery.errors import ConfigError
 from flashrecovery.records import SpareHeartbeat, Stream
 from flashrecovery.replay.whatif import compare, parse_settings
+from flashrecovery.testing.simworld import scripted_failure, scripted_hang
 
 JOB = "hung"
 BEAT_S = 0.5  # the recorded heartbeat interval: a rank is missed after 3 x 0.5 s of silence

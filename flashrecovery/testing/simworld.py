@@ -22,6 +22,7 @@ from flashrecovery.records import (
     FallbackToCheckpoint,
     Heartbeat,
     JobFinished,
+    JobOutcome,
     JobStarted,
     NodeHeartbeat,
     NodeJoined,
@@ -153,7 +154,7 @@ class SimulatedWorld:
             RankFinished(**self._env(f"rank:{r}"), rank=r, step=self.committed)
             for r in sorted(self.pids)
         ]
-        out.append(JobFinished(**self._env("agent"), status="completed"))
+        out.append(JobFinished(**self._env("agent"), status=JobOutcome.COMPLETED))
         return out
 
     def react(self, decision: Decision) -> list[Envelope]:
