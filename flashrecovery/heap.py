@@ -1,10 +1,9 @@
 """Keep Python's full garbage collections short in a process that has torch loaded.
 
 A full collection walks every object the process holds; with torch (and what DDP and FSDP
-import) that is millions, so each one takes 100-300 ms here, and it comes whenever the count of
-allocations trips it: inside a training step, or in a replacement while it receives its state.
-Measured before this existed: one of about 170 ms every few hundred steps in each rank of the
-demo GPT, and one of 130-160 ms in most restores of a refilled hot spare.
+import) that is millions, so each one takes a tenth of a second or more, and it comes whenever
+the count of allocations trips it: inside a training step, or in a replacement while it receives
+its state, where it would stand in the recovery's critical path.
 
 ``settle()`` runs one collection, then moves every object that is left into the permanent
 generation (``gc.freeze``), which later collections skip: they then walk only what was made

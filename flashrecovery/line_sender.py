@@ -2,7 +2,7 @@
 once goes from the caller's thread, and only when the peer is a socket buffer behind does a
 thread (started then) send the rest. A rank's records to its agent and the agent's
 acknowledgements and decisions back go this way: a thread per direction woken for every line
-cost both a wake-up per step on the cores the ranks train on (docs/overhead.md, "Where the
+cost both a wake-up per step on the cores the ranks train on (docs/benchmarks.md, "Where the
 time goes")."""
 
 from __future__ import annotations

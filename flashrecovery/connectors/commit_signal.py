@@ -5,7 +5,7 @@ After each commit a writer rewrites one byte of a small file per stream it wrote
 until its stream's file changes. So a follower wakes once per commit to its own stream, at
 once, and not at all while nothing is written: the agent's engine used to poll the file
 every 5-20 ms between a step's records and the next step's, and its decisions follower every
-20 ms through the whole job, on the cores the ranks train on (docs/overhead.md, "Where the time
+20 ms through the whole job, on the cores the ranks train on (docs/benchmarks.md, "Where the time
 goes"). Where inotify is missing (not Linux), ``Waiter.open`` gives None and followers poll.
 
 A commit that is not *routine* also rings a second file (``<db>-events.urgent.signal``): a

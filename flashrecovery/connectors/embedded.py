@@ -47,7 +47,7 @@ SCHEMA_VERSION = 1
 DEFAULT_TIMEOUT_S = 30.0
 # Without inotify, follow's first wait; doubles up to MAX_POLL_S. 5 ms, not 1: a follower of a
 # job's events (the agent's engine) starts a follow after every step's records, and polls before
-# the next step's came cost the agent CPU that the ranks share (docs/overhead.md, "Where the
+# the next step's came cost the agent CPU that the ranks share (docs/benchmarks.md, "Where the
 # time goes").
 FIRST_POLL_S = 0.005
 MAX_POLL_S = 0.02

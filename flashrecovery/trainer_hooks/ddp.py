@@ -10,8 +10,7 @@ That backward makes each parameter's gradient ready in reverse registration orde
 real backward produces them in (the last layer first) and the order DDP's constructor assumes.
 The order matters: DDP all-reduces its buckets strictly in bucket order, so a first bucket that
 holds the first layer (ready last) would hold every bucket back until the backward ends, and no
-communication would overlap the backward (measured in bench/overhead/, docs/hook.md "What the
-hook costs per step").
+communication would overlap the backward (docs/hook.md, "What the hook costs per step").
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ class _Watcher:
     """One thread per process that gives up on the pending collectives of a superseded
     generation. It sleeps until ``poke()`` says a newer generation is planned (a wake-up per
     collective, DDP's buckets included, cost the training thread a context switch and the GIL
-    on every bucket; bench/overhead/), and looks on its own only every ``IDLE_LOOK_S``."""
+    on every bucket; python -m bench.overhead), and looks on its own only every ``IDLE_LOOK_S``."""
 
     def __init__(self) -> None:
         self._pending: list[_Pending] = []

@@ -193,7 +193,7 @@ class Membership:
         """The hook's own gloo group of the formed generation, connected with ``peers`` (who
         do the same at once). Made when first needed: with the user's own parallelism only a
         restore needs it, and only on its donors and recipients, while an idle gloo device
-        still wakes its event loop 100 times a second (docs/overhead.md)."""
+        still wakes its event loop 100 times a second (docs/benchmarks.md)."""
         assert self.rank is not None
         peers = set(peers) - self._connected
         if self._group is None:

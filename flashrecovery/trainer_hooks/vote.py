@@ -62,5 +62,5 @@ def close(store: dist.Store, key: str, world_size: int) -> Verdict:
 def wait(store: dist.Store, key: str) -> Verdict:
     """Block until the vote is final, bounded by the store client's timeout (raises then like
     any store wait). One ``get``: it waits for the key itself, so a separate ``wait`` first
-    would only add a round trip to the store on every step (bench/overhead/)."""
+    would only add a round trip to the store on every step (python -m bench.overhead)."""
     return Verdict(store.get(f"{key}/verdict").decode())
