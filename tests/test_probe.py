@@ -8,9 +8,9 @@ import pytest
 import flashrecovery.trainer_hooks as hook
 from flashrecovery.trainer_hooks.probe import (
     ENV,
+    Action,
     FaultPlan,
     InjectedFault,
-    Kind,
     PlannedFault,
     Point,
     Probe,
@@ -20,15 +20,10 @@ from flashrecovery.trainer_hooks.probe import (
 def test_a_plan_round_trips_through_its_spec_and_names_where_each_fault_acts() -> None:
     plan = FaultPlan.from_environ({ENV: "1:raise@4,0:donor_send@7,2:hang@3"})
     assert plan.spec() == "1:raise@4,0:donor_send@7,2:hang@3"
-    assert [(f.rank, f.kind, f.step) for f in plan.faults] == [
-        (1, Kind.RAISE, 4),
-        (0, Kind.DONOR_SEND, 7),
-        (2, Kind.HANG, 3),
-    ]
-    assert [f.kind.point for f in plan.faults] == [
-        Point.BEFORE_REDUCE,
-        Point.DONOR_SEND,
-        Point.BEFORE_REDUCE,
+    assert [(f.rank, f.point, f.action, f.step) for f in plan.faults] == [
+        (1, Point.BEFORE_REDUCE, Action.RAISE, 4),
+        (0, Point.DONOR_SEND, Action.KILL, 7),
+        (2, Point.BEFORE_REDUCE, Action.HANG, 3),
     ]
     assert FaultPlan.from_environ({}) == FaultPlan()
 
@@ -55,7 +50,7 @@ def test_a_due_fault_fires_once_in_the_job_and_only_where_it_is_due() -> None:
         claimed.add(index)
         return first
 
-    probe = Probe(FaultPlan((PlannedFault(1, Kind.RAISE, 4),)), claim)
+    probe = Probe(FaultPlan((PlannedFault(1, Point.BEFORE_REDUCE, Action.RAISE, 4),)), claim)
     probe(Point.BEFORE_REDUCE, 0, 4)  # another rank
     probe(Point.BEFORE_REDUCE, 1, 3)  # another step
     probe(Point.AFTER_REDUCE, 1, 4)  # another point

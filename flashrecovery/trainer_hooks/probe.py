@@ -49,29 +49,14 @@ class Point(StrEnum):
     CHECKPOINT_LOAD = "checkpoint_load"
 
 
-class Kind(StrEnum):
-    """What a planned fault does: a SIGKILL at the point of its name, or one of the others at
-    the step's start (before the gradients are reduced)."""
+class Action(StrEnum):
+    """What a planned fault does where it acts: a SIGKILL (the fault is named by its point), or
+    at the step's start, before the gradients are reduced, one of the others."""
 
-    BEFORE_REDUCE = "before_reduce"
-    AFTER_REDUCE = "after_reduce"
-    FINISH = "finish"
-    EXIT = "exit"
-    REGROUP = "regroup"
-    GROUP_BUILD = "group_build"
-    DONOR_SEND = "donor_send"
-    CHECKPOINT_LOAD = "checkpoint_load"
+    KILL = "kill"
     RAISE = "raise"
     HANG = "hang"
     STALL = "stall"
-
-    @property
-    def point(self) -> Point:
-        """Where the fault acts."""
-        try:
-            return Point(self.value)
-        except ValueError:
-            return Point.BEFORE_REDUCE
 
 
 class InjectedFault(RuntimeError):
@@ -81,8 +66,14 @@ class InjectedFault(RuntimeError):
 @dataclass(frozen=True)
 class PlannedFault:
     rank: int
-    kind: Kind
+    point: Point
+    action: Action
     step: int
+
+    @property
+    def kind(self) -> str:
+        """Its name in a plan: the point for a kill, else the action."""
+        return self.point.value if self.action is Action.KILL else self.action.value
 
     @classmethod
     def parse(cls, spec: str) -> PlannedFault:
@@ -91,25 +82,30 @@ class PlannedFault:
         if not sep or not at or not rank.isdigit() or not step.isdigit() or kind not in _KINDS:
             raise ValueError(
                 f"planned fault {spec!r}: expected <rank>:<kind>@<step>, kind one of "
-                + ", ".join(Kind)
+                + ", ".join(_KINDS)
             )
-        return cls(int(rank), Kind(kind), int(step))
+        point, action = _KINDS[kind]
+        return cls(int(rank), point, action, int(step))
 
     def spec(self) -> str:
         return f"{self.rank}:{self.kind}@{self.step}"
 
     def fire(self) -> None:
-        if self.kind is Kind.RAISE:
+        if self.action is Action.RAISE:
             raise InjectedFault(f"injected fault at step {self.step}")
-        if self.kind is Kind.HANG:
+        if self.action is Action.HANG:
             os.kill(os.getpid(), signal.SIGSTOP)
-        elif self.kind is Kind.STALL:
+        elif self.action is Action.STALL:
             threading.Event().wait()  # never set: stuck in user code until SIGKILLed
         else:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-_KINDS = {kind.value for kind in Kind}
+# A kind names where a kill acts, or an action taken at the step's start.
+_KINDS: dict[str, tuple[Point, Action]] = {
+    **{point.value: (point, Action.KILL) for point in Point},
+    **{a.value: (Point.BEFORE_REDUCE, a) for a in Action if a is not Action.KILL},
+}
 
 
 @dataclass(frozen=True)
@@ -142,7 +138,7 @@ class Probe:
         if not self._faults or rank is None:
             return  # no plan: production does nothing more than this
         for index, fault in enumerate(self._faults):
-            due = (fault.rank, fault.kind.point, fault.step) == (rank, point, step)
+            due = (fault.rank, fault.point, fault.step) == (rank, point, step)
             if due and self._claim(index):
                 fault.fire()
                 return

@@ -19,6 +19,9 @@ from flashrecovery.trainer_hooks import probe
 pytestmark = pytest.mark.timeout(120)
 
 
+PLANNED = f"{probe.ENV}="  # a fault plan in the launch environment (test-only: no flag names it)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -28,6 +31,11 @@ pytestmark = pytest.mark.timeout(120)
         (["--log", "nope", str(SCRIPT)], "malformed"),
         (["--log", "gopher://x", str(SCRIPT)], "unknown scheme"),
         (["--log", "memory://", str(SCRIPT)], "one process"),
+        (
+            [f"{PLANNED}5:raise@1", str(SCRIPT)],
+            f"{probe.ENV}: planned fault 5:raise@1: rank outside",
+        ),
+        ([f"{PLANNED}1:explode@3", str(SCRIPT)], f"{probe.ENV}: planned fault '1:explode@3'"),
     ],
 )
 def test_bad_arguments_fail_before_anything_starts(
@@ -38,31 +46,15 @@ def test_bad_arguments_fail_before_anything_starts(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     monkeypatch.chdir(tmp_path)
+    for arg in args:
+        if arg.startswith(PLANNED):
+            monkeypatch.setenv(probe.ENV, arg.removeprefix(PLANNED))
+    args = [arg for arg in args if not arg.startswith(PLANNED)]
     if "--nproc-per-node" not in args:
         args = ["--nproc-per-node", "2", *args]
     assert main(["run", *args]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
-
-
-@pytest.mark.parametrize(
-    ("plan", "message"),
-    [("5:raise@1", "rank outside 0..1"), ("1:explode@3", "kind one of before_reduce")],
-)
-def test_a_bad_fault_plan_in_the_launch_environment_fails_before_anything_starts(
-    plan: str,
-    message: str,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    """Faults are test-only: no flag of `run` names them, the launch environment does."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv(probe.ENV, plan)
-    assert main(["run", "--nproc-per-node", "2", str(SCRIPT)]) == 2
-    err = capsys.readouterr().err
-    assert probe.ENV in err and message in err
-    assert not (tmp_path / "runs").exists()
 
 
 def test_no_replica_left_falls_back_and_fails(tmp_path: Path) -> None:
