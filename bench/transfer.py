@@ -95,7 +95,7 @@ def _in_place(group: groups.Group, rank: int, donors: list[int], state: Any, rec
 
 def _worker(rank: int, port: int, prefix: str, sizes: list[int], rounds: int, out: Queue) -> None:
     torch.set_num_threads(1)
-    client = groups.connect_store("127.0.0.1", port, prefix)
+    client = groups.connect_store(f"127.0.0.1:{port}", prefix)
     group = groups.build(client, 0, rank, 3, lambda: False)
     barrier = torch.zeros(1)
     for layers in sizes:

@@ -102,6 +102,9 @@ class JobStarted(Envelope):
     # A lost node's ranks find no spare: they wait node_wait_s for one, then the job fails.
     nodes: int = Field(default=1, ge=1)
     node_wait_s: float = Field(default=30.0, ge=0)
+    # Where generation 0 meets: the rendezvous endpoint's store (a multi-node job's; absent
+    # in old logs and single-node jobs, whose processes meet where they were launched).
+    store: str | None = None
 
     @property
     def nproc_per_node(self) -> int:
@@ -131,6 +134,10 @@ class NodeJoined(Envelope):
     host: str
     ranks: int = Field(ge=0)
     spares: int = Field(ge=0)
+    # A multi-node job's agents each host a store, any of which can hold a generation's
+    # (RegroupPlanned.store); absent in old logs and in a single-node job.
+    store: str | None = None  # "host:port"
+    presence: str | None = None  # "host:port" its agent watches the others from (presence.py)
 
 
 class RankJoined(Envelope):
@@ -234,6 +241,17 @@ class NodeMissed(Envelope):
     node: NodeId
     last_seen_ts: float
     silent_s: float = Field(ge=0)
+
+
+class AgentExited(Envelope):
+    """A node's agent is gone: its connection to the agent of node ``observer`` closed, and its
+    address refused a new one (the host answers, the agent does not). Found as fast as a rank's
+    exit; a node that is cut off answers nothing and is found by its silence (NodeMissed)."""
+
+    type: Literal["agent_exited"] = "agent_exited"
+    node: NodeId
+    pid: int = Field(ge=1)  # the agent's, as it said when it joined
+    observer: NodeId
 
 
 class NodeWaitExpired(Envelope):
@@ -377,6 +395,7 @@ class EngineLease(Envelope):
     type: Literal["engine_lease"] = "engine_lease"
     engine_id: str = Field(min_length=1)
     expires_ts: float
+    node: NodeId | None = None  # whose agent runs it: its AgentExited ends the lease at once
 
 
 # ------------------------------------------------------------- decisions
@@ -416,6 +435,7 @@ class AssignSpare(Decision):
     rank: RankId
     spare_id: int = Field(ge=0)
     node: NodeId = 0  # the spare's: its agent hands it the rank
+    store: str | None = None  # where its generation meets (a multi-node job's; agent/meeting.py)
 
 
 class AwaitNode(Decision):
@@ -431,6 +451,7 @@ class SpawnReplacement(Decision):
     type: Literal["spawn_replacement"] = "spawn_replacement"
     rank: RankId
     node: NodeId = 0  # whose agent starts the process
+    store: str | None = None  # where its generation meets (a multi-node job's; agent/meeting.py)
 
 
 class RegroupPlanned(Decision):
@@ -439,6 +460,9 @@ class RegroupPlanned(Decision):
     type: Literal["regroup_planned"] = "regroup_planned"
     members: list[RankId]
     replaced: list[RankId]
+    # Where this generation's store is, when it moved (the node holding the previous one was
+    # lost); None: where the previous generation's was.
+    store: str | None = None
 
 
 class ResumePlanned(Decision):
@@ -507,6 +531,7 @@ EventRecord = Annotated[
     | NodeJoined
     | NodeHeartbeat
     | NodeMissed
+    | AgentExited
     | NodeWaitExpired
     | RankJoined
     | SpareReady

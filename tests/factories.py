@@ -28,6 +28,7 @@ SAMPLE_FIELDS: dict[str, dict[str, Any]] = {
     "node_joined": {"node": 0, "pid": 900, "host": "h", "ranks": 2, "spares": 1},
     "node_heartbeat": {"node": 0, "pid": 900},
     "node_missed": {"node": 1, "last_seen_ts": T0, "silent_s": 3.5},
+    "agent_exited": {"node": 1, "pid": 4242, "observer": 0},
     "node_wait_expired": {"ranks": [2, 3], "waited_s": 30.0},
     "rank_joined": {"rank": 0, "pid": 1001, "host": "h"},
     "spare_ready": {"spare_id": 0, "pid": 2001, "host": "h"},

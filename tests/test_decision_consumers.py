@@ -37,6 +37,7 @@ def test_a_decision_written_twice_is_carried_out_once() -> None:
     actions = Actions(
         supervisor,  # type: ignore[arg-type]
         store=None,  # type: ignore[arg-type]
+        meeting=lambda: "127.0.0.1:1",
         report=reports.append,
         job_id=JOB,
         spares=0,

@@ -75,6 +75,7 @@ def test_kill_with_spare_decides_isolate_replace_regroup_restore_resume() -> Non
             "rank": 2,
             "spare_id": 0,
             "node": 0,
+            "store": None,  # a single-node job meets on its one store throughout
         },
         {
             "generation": 1,
@@ -83,6 +84,7 @@ def test_kill_with_spare_decides_isolate_replace_regroup_restore_resume() -> Non
             "incident_id": incident,
             "members": [0, 1, 2, 3],
             "replaced": [2],
+            "store": None,
         },
         {
             "generation": 1,

@@ -41,7 +41,7 @@ def test_vote_commits_only_when_every_member_voted(store: dist.Store) -> None:
     assert vote.cast(store, key, 3) is vote.Verdict.COMMITTED
     assert vote.close(store, key, 3) is vote.Verdict.COMMITTED  # a full vote can't be closed
     assert vote.close(store, key, 3) is vote.Verdict.COMMITTED  # nor by a second closer
-    assert vote.wait(store, key) is vote.Verdict.COMMITTED
+    assert vote.wait(store, key, 3, lambda: False) is vote.Verdict.COMMITTED
 
 
 def test_a_closed_vote_aborts_for_everyone(store: dist.Store) -> None:
@@ -49,7 +49,7 @@ def test_a_closed_vote_aborts_for_everyone(store: dist.Store) -> None:
     assert vote.cast(store, key, 3) is None
     assert vote.close(store, key, 3) is vote.Verdict.ABORTED
     assert vote.cast(store, key, 3) is vote.Verdict.ABORTED  # can't vote on a closed vote
-    assert vote.wait(store, key) is vote.Verdict.ABORTED
+    assert vote.wait(store, key, 3, lambda: False) is vote.Verdict.ABORTED
     assert vote.close(store, key, 3) is vote.Verdict.ABORTED  # a second closer knows it
     assert vote.close(store, vote.vote_key(1, 6), 3) is vote.Verdict.ABORTED  # nobody voted yet
 
@@ -75,10 +75,12 @@ def test_members_voting_at_once_agree(job_store: JobStore, closer: bool) -> None
     verdicts: list[vote.Verdict] = []
 
     def member(close: bool) -> None:
-        client = groups.connect_store("127.0.0.1", job_store.port, job_store.prefix)
+        client = groups.connect_store(f"127.0.0.1:{job_store.port}", job_store.prefix)
         start.wait()
         verdict = vote.close(client, key, world) if close else vote.cast(client, key, world)
-        verdicts.append(verdict if verdict is not None else vote.wait(client, key))
+        verdicts.append(
+            verdict if verdict is not None else vote.wait(client, key, world, lambda: False)
+        )
 
     threads = [
         threading.Thread(target=member, args=(i == world,)) for i in range(world + int(closer))
@@ -108,7 +110,7 @@ def test_a_group_that_lost_a_member_while_forming_is_given_up_when_superseded(
     """Rank 1 passed the barrier and died before joining the group: rank 0 waits in the
     rendezvous (other threads run meanwhile: the heartbeats go on) until a newer generation is
     planned, then gives up at once instead of after the collective timeout."""
-    client = groups.connect_store("127.0.0.1", job_store.port, job_store.prefix)
+    client = groups.connect_store(f"127.0.0.1:{job_store.port}", job_store.prefix)
     newer_plan = threading.Event()
     timer = threading.Timer(0.3, newer_plan.set)  # a Python thread: it needs the GIL to run
     timer.start()
@@ -122,7 +124,7 @@ def _ranks(job_store: JobStore, work: Any, world: int = 2) -> list[Any]:
 
     def rank(r: int) -> None:
         # One blocking waiter per client.
-        client = groups.connect_store("127.0.0.1", job_store.port, job_store.prefix)
+        client = groups.connect_store(f"127.0.0.1:{job_store.port}", job_store.prefix)
         group = groups.build(client, 0, r, world, lambda: False)
         results[r] = work(r, group)
         groups.drop(group)

@@ -62,6 +62,7 @@ class Actions:
         self,
         supervisor: Supervisor,
         store: dist.Store,
+        meeting: Callable[[], str],
         report: Callable[[Envelope], None],
         job_id: str,
         spares: int,
@@ -72,7 +73,8 @@ class Actions:
         say: Callable[[str], None] = print,
     ) -> None:
         self._supervisor = supervisor
-        self._store = store
+        self._store = store  # this node's own: its spares wait for their rank there
+        self._meeting = meeting  # where the generation a spare joins meets
         self._report = report
         self._job_id = job_id
         self._spares = spares  # the pool size to keep
@@ -141,7 +143,7 @@ class Actions:
 
     def _spawn_replacement(self, decision: SpawnReplacement) -> None:
         child = self._supervisor.spawn_rank(
-            decision.rank, generation=decision.generation, replacement=True
+            decision.rank, generation=decision.generation, replacement=True, meet=decision.store
         )
         self._report(
             ReplacementSpawned(**self._envelope(decision), rank=decision.rank, pid=child.pid)
@@ -157,7 +159,11 @@ class Actions:
             log.warning("spare_unrunnable", spare_id=decision.spare_id, pid=child.pid)
             self._supervisor.kill(child.pid)
             return
-        assignment = {"rank": decision.rank, "generation": decision.generation}
+        assignment = {
+            "rank": decision.rank,
+            "generation": decision.generation,
+            "store": decision.store or self._meeting(),
+        }
         self._store.set(f"spare/{decision.spare_id}", json.dumps(assignment))
         self._report(
             SpareActivated(

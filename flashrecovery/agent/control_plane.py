@@ -88,6 +88,6 @@ def run(args: argparse.Namespace) -> int:
         JobOutcome.COMPLETED if engine.state.job.state is JobState.COMPLETED else JobOutcome.FAILED
     )
     lost = sum(node.lost for node in engine.state.nodes.values())
-    wait_for_agents(store, lost, status)
+    wait_for_agents(store, int(store.keys.add(rendezvous.AGENTS_KEY, 0)) - lost, status)
     print(f"flashrecovery: job {job_id} {engine.state.job.state}", file=sys.stderr)
     return 0 if status is JobOutcome.COMPLETED else 1

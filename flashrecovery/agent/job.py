@@ -1,9 +1,13 @@
-"""The agent of one node of a job: node 0's hosts the store and runs the engine; every agent
-starts its node's processes, heartbeats for the node, carries out the decisions that name its
-node and ends with the job's status (docs/protocol.md, docs/multinode.md)."""
+"""The agent of one node of a job: it starts its node's processes, heartbeats for the node,
+carries out the decisions that name its node and ends with the job's status (docs/protocol.md,
+docs/multinode.md). A single node's agent hosts the store and runs the engine. Across nodes no
+agent is needed to the end: each hosts a store (the generation's may move to it, meeting.py),
+runs a standby engine that takes over by the lease in the log, and watches the others'
+agents (presence.py), so the job survives the loss of any one node, node 0 included."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -24,10 +28,12 @@ from flashrecovery.agent.actions import SPAWNS_PER_S, Actions, SpawnBudget
 from flashrecovery.agent.config import AgentConfig, SpareRefill, StartMethod
 from flashrecovery.agent.forkserver import ForkServer
 from flashrecovery.agent.links import ProcessLinks
+from flashrecovery.agent.meeting import Meeting
 from flashrecovery.agent.nodedir import NodeDir
+from flashrecovery.agent.presence import Presence
 from flashrecovery.agent.relay import BeatRelay
 from flashrecovery.agent.store import JobStore
-from flashrecovery.agent.supervisor import Child, Supervisor
+from flashrecovery.agent.supervisor import Child, Supervisor, meeting_env
 from flashrecovery.connectors import open_log
 from flashrecovery.connectors.chain import seal
 from flashrecovery.connectors.follow import StreamCursor, append_through_outage
@@ -35,6 +41,7 @@ from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.errors import ConfigError, LogError
 from flashrecovery.observe.exporter import MetricsServer
 from flashrecovery.records import (
+    AgentExited,
     Decision,
     Envelope,
     JobFinished,
@@ -43,11 +50,17 @@ from flashrecovery.records import (
     NodeHeartbeat,
     NodeJoined,
     RankExited,
+    RegroupPlanned,
     Stream,
 )
 from flashrecovery.trainer_hooks import barrier, final_state, probe
 from flashrecovery.trainer_hooks.decisions import PROCESS_DECISIONS
-from flashrecovery.trainer_hooks.env import CHECKPOINT_DIR, CHECKPOINT_EVERY, GROUP_REBUILD
+from flashrecovery.trainer_hooks.env import (
+    CHECKPOINT_DIR,
+    CHECKPOINT_EVERY,
+    GROUP_REBUILD,
+    NODE_STORE,
+)
 from flashrecovery.trainer_hooks.heartbeat import HeartbeatThread
 
 log = structlog.get_logger("flashrecovery.agent")
@@ -60,6 +73,8 @@ NODES_DONE_WAIT_S = 10.0  # node 0 keeps the store this long for the others to s
 STUCK_AFTER_S = 120.0  # a rank has had no live process this long: nothing will recover it
 LOG_OUTAGE_S = 60.0  # how long a record is retried while the log is away
 LINK_DRAIN_S = 5.0  # longest wait for a process's handed-over records to reach the log
+LEASE_TTL_S = 3.0  # a multi-node job's engines: how long a lease lasts without renewal
+STORE_AWAY_S = 60.0  # the meeting store unreachable this long with no plan moving it: give up
 
 
 def _base_env() -> dict[str, str]:
@@ -107,6 +122,7 @@ class Agent:
         self.metrics: MetricsServer | None = None  # serving before the first rank starts
         self._engine: EngineLoop | None = None
         self._links: ProcessLinks | None = None  # the node's processes' records, once running
+        self._presence: Presence | None = None  # a multi-node job's watch of the other agents
 
     def run(self) -> int:
         config = self.config
@@ -130,9 +146,21 @@ class Agent:
             return 2
         self.job_id, self.node = member.job_id, member.node
         engine = None
-        if config.hosts_store and not config.external_engine:
+        if config.multinode and not config.external_engine and not config.control_plane:
+            # every node's engine stands by; the lease in the log says which one decides
+            engine = EngineLoop(
+                self.log_url,
+                self.job_id,
+                poll_s=ENGINE_POLL_S,
+                lease_ttl_s=LEASE_TTL_S,
+                node=member.node,
+            ).start()
+        elif config.hosts_store and not config.external_engine:
             engine = EngineLoop(self.log_url, self.job_id, poll_s=ENGINE_POLL_S).start()
         self._engine = engine
+        if config.multinode:
+            self._presence = Presence(member.node, os.getpid(), member.own.host, self._agent_exited)
+        meeting = Meeting(member.own, member.store)
         # The processes talk to their agent, not to the log: their beats in one record, their
         # other records in batches, the decisions relayed. Only the agent writes, so a rank
         # stopped (SIGSTOP) in the middle of a write cannot hold the embedded log's lock and
@@ -146,7 +174,7 @@ class Agent:
             forks = None
         supervisor = Supervisor(
             [sys.executable, str(config.script), *config.script_args],
-            self._child_env(member.store, relay),
+            self._child_env(member, meeting, relay),
             self._on_exit,
             config.output_dir,
             nproc_per_node=config.nproc,
@@ -156,7 +184,8 @@ class Agent:
         )
         actions = Actions(
             supervisor,
-            member.store.keys,
+            member.own.keys,
+            lambda: meeting.endpoint,
             self._report,
             self.job_id,
             member.spares,
@@ -174,7 +203,7 @@ class Agent:
             for _ in range(member.spares):
                 supervisor.spawn_spare()
             heap.settle()  # while the ranks start: the engine's later pauses stay short
-            outcome = self._supervise(member, supervisor, actions, engine)
+            outcome = self._supervise(member, meeting, supervisor, actions, engine)
         except Interrupted as exc:
             outcome = Outcome(
                 JobOutcome.FAILED, 128 + exc.signum, f"interrupted by signal {exc.signum}"
@@ -190,9 +219,14 @@ class Agent:
                 relay.close()
                 self._links.close(LINK_DRAIN_S)
                 node_dir.close()
-                if config.hosts_store:
-                    wait_for_agents(member.store, len(actions.lost_nodes) + 1, outcome.status)
-                if config.starts_job:
+                if self._presence is not None:
+                    self._presence.close()
+                # Whoever hosts the meeting store ends the job (node 0's, unless it was lost):
+                # the others read the end from it, then it seals the log.
+                ends_job = meeting.here and not config.control_plane
+                if ends_job:
+                    wait_for_agents(member.own, self._other_agents(actions), outcome.status)
+                if ends_job or (config.control_plane and config.starts_job):
                     self._finish_report(outcome)
                 if engine is not None:
                     engine.stop()
@@ -220,8 +254,40 @@ class Agent:
                 nodes=config.nnodes,
                 node_wait_s=config.node_wait_s,
                 shards=config.shards,
+                store=str(config.rdzv_endpoint) if config.multinode else None,
             )
         )
+
+    def _other_agents(self, actions: Actions) -> int:
+        """How many other agents read the end from this one's store: every joined node not
+        lost (a multi-node job's engine knows them), else as the rendezvous counted them."""
+        if self.config.multinode and self._engine is not None:
+            nodes = list(self._engine.state.nodes.values())
+            return sum(1 for view in nodes if not view.lost and view.node != self.node)
+        return 0
+
+    def _agent_exited(self, node: int, pid: int) -> None:
+        """The presence watch saw another node's agent go (on its thread)."""
+        assert self.node is not None
+        with contextlib.suppress(LogError):
+            self._report(
+                AgentExited(
+                    job_id=self.job_id,
+                    generation=self._generation,
+                    source=f"agent:{self.node}",
+                    node=node,
+                    pid=pid,
+                    observer=self.node,
+                )
+            )
+
+    def _watch_peers(self) -> None:
+        """Watch every other node's agent the engine has seen join."""
+        if self._presence is None or self._engine is None:
+            return
+        for view in list(self._engine.state.nodes.values()):
+            if view.presence is not None and not view.lost:
+                self._presence.watch(view.node, view.pid, view.presence)
 
     def _node_heartbeat(self, member: rendezvous.Membership, relay: BeatRelay) -> HeartbeatThread:
         """Say the node joined, then beat for it every interval from a thread of its own,
@@ -232,6 +298,7 @@ class Agent:
             "generation": 0,
             "source": f"agent:{member.node}",
         }
+        multinode = self.config.multinode
         self._report(
             NodeJoined(
                 **envelope,
@@ -240,6 +307,8 @@ class Agent:
                 host=host,
                 ranks=len(member.ranks),
                 spares=member.spares,
+                store=member.own.endpoint if multinode else None,
+                presence=self._presence.endpoint if self._presence is not None else None,
             )
         )
         thread = HeartbeatThread(
@@ -291,44 +360,55 @@ class Agent:
     def _supervise(
         self,
         member: rendezvous.Membership,
+        meeting: Meeting,
         supervisor: Supervisor,
         actions: Actions,
         engine: EngineLoop | None,
     ) -> Outcome:
         # While the log is briefly away the cursor returns nothing: the children train on.
         decisions = StreamCursor(self._log, Stream.DECISIONS, self.job_id, stop=self._stop)
-        keys = member.store.keys
         down_since: float | None = None
+        away_since: float | None = None  # since when the meeting store is unreachable
         while True:
             for entry in decisions.poll(FOLLOW_TIMEOUT_S):
                 if isinstance(entry.record, Decision):
                     self._generation = max(self._generation, entry.record.generation)
+                    if isinstance(entry.record, RegroupPlanned) and meeting.follow(entry.record):
+                        supervisor.meet_at(meeting.endpoint)  # where its new processes meet
+                        away_since = None
                     if self._links is not None and isinstance(entry.record, PROCESS_DECISIONS):
                         self._links.relay(entry.record)
                     reason = actions.apply(entry.record)
                     if reason is not None:
                         return Outcome(JobOutcome.FAILED, 1, reason)
             actions.tick()
+            self._watch_peers()
             try:
                 # A single node holds every rank; across nodes, every member passed the last
                 # generation's `done` barrier (docs/protocol.md): training is over everywhere.
-                # (Asked every time: it is also how an agent learns that the store is gone.)
                 done = not self.config.multinode or barrier.passed(
-                    keys, barrier.name(self._generation, "done")
+                    meeting.keys(), barrier.name(self._generation, "done")
                 )
                 if done and supervisor.all_finished():
                     if self._links is not None:
                         self._links.flush(LINK_DRAIN_S)  # the ranks' last records before the seal
-                    if not self.config.hosts_store:
-                        keys.add(rendezvous.AGENTS_DONE_KEY, 1)
+                    if not meeting.here:
+                        meeting.keys().add(rendezvous.AGENTS_DONE_KEY, 1)
                     return Outcome(JobOutcome.COMPLETED, 0)
-            except RuntimeError as exc:  # node 0 (or the control plane) is gone with the store
-                return Outcome(
-                    JobOutcome.FAILED,
-                    1,
-                    f"the job's store at {member.store.host}:{member.store.port} is unreachable, "
-                    f"its host is lost ({str(exc).splitlines()[0]})",
+                away_since = None
+            except (RuntimeError, ConfigError) as exc:  # the meeting store's host is gone
+                meeting.lost()
+                first_line = str(exc).splitlines()[0]
+                lost = (
+                    f"the job's store at {meeting.endpoint} is unreachable, its host is lost "
+                    f"({first_line})"
                 )
+                if self.config.control_plane:  # nobody else holds a store: the job ends
+                    return Outcome(JobOutcome.FAILED, 1, lost)
+                now = time.monotonic()
+                away_since = away_since or now
+                if now - away_since > STORE_AWAY_S:  # and no plan moved the meeting elsewhere
+                    return Outcome(JobOutcome.FAILED, 1, f"{lost} for {STORE_AWAY_S:.0f}s")
             if self._stop.is_set():
                 return Outcome(JobOutcome.FAILED, 1, "stopped")
             if engine is not None and engine.error is not None:
@@ -340,10 +420,14 @@ class Agent:
             elif time.monotonic() - down_since > STUCK_AFTER_S:
                 return Outcome(JobOutcome.FAILED, 1, f"a rank stayed down for {STUCK_AFTER_S:.0f}s")
 
-    def _child_env(self, store: JobStore, relay: BeatRelay) -> dict[str, str]:
+    def _child_env(
+        self, member: rendezvous.Membership, meeting: Meeting, relay: BeatRelay
+    ) -> dict[str, str]:
         return {
             **_base_env(),
-            **store.environment(),
+            **member.own.environment(),  # gloo on this node's interface, the job's secret
+            **meeting_env(meeting.endpoint),  # the store its generation meets on
+            NODE_STORE: member.own.endpoint,  # where its spares wait for a rank
             "WORLD_SIZE": str(self.config.nproc * self.config.nnodes),
             "LOCAL_WORLD_SIZE": str(self.config.nproc),
             "GROUP_RANK": str(self.node),
@@ -405,13 +489,12 @@ class Agent:
         append_through_outage(self._log, Stream.EVENTS, record, LOG_OUTAGE_S)
 
 
-def wait_for_agents(store: JobStore, gone: int, status: JobOutcome) -> None:
-    """The store's host keeps it up until every agent but ``gone`` (lost, or itself) has seen
-    the job complete (bounded): they read the end from it."""
+def wait_for_agents(store: JobStore, expected: int, status: JobOutcome) -> None:
+    """The meeting store's host keeps it up until ``expected`` other agents have seen the job
+    complete (bounded): they read the end from it."""
     if status is not JobOutcome.COMPLETED:
         return
     keys = store.keys
-    expected = int(keys.add(rendezvous.AGENTS_KEY, 0)) - gone
     deadline = time.monotonic() + NODES_DONE_WAIT_S
     while int(keys.add(rendezvous.AGENTS_DONE_KEY, 0)) < expected:
         if time.monotonic() > deadline:

@@ -4,8 +4,10 @@ Node 0's agent hosts the job's store on the rendezvous endpoint, starts the job 
 publishes its id there; every other agent connects, reads the job id and claims a node rank: its
 own (``--node-rank K``, refused if another agent holds it) or the lowest free one (``auto``).
 Node ranks below ``--nnodes`` train (ranks laid out node by node, as torchrun does); the others
-are spare nodes, each keeping ``--nproc-per-node`` hot spares for the whole job. A single-node
-job is node 0 with a store of its own on a free loopback port, as it always was.
+are spare nodes, each keeping ``--nproc-per-node`` hot spares for the whole job. Every other
+agent also hosts a store of its own on its node's address, where its spares wait for their
+rank and where a later generation may meet (agent/meeting.py). A single-node job is node 0 with
+a store of its own on a free loopback port, as it always was.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from flashrecovery.agent.config import AgentConfig
-from flashrecovery.agent.store import JobStore
+from flashrecovery.agent.store import JobStore, local_address
 from flashrecovery.errors import ConfigError
 
 STORE_TIMEOUT = datetime.timedelta(seconds=60)
@@ -28,22 +30,25 @@ MAX_NODES = 4096  # node ranks an `auto` agent tries
 JOB_KEY = "rdzv/job"  # the job id, once node 0 has started the job
 AGENTS_KEY = "rdzv/agents"  # agents that joined
 AGENTS_DONE_KEY = "rdzv/agents-done"  # agents that saw the job complete
-SPARE_IDS_KEY = "spare-ids"  # spare ids handed out, job-wide
+SPARE_IDS = 100_000  # node k's spares are numbered from k * SPARE_IDS: unique job-wide
 
 
-@dataclass(frozen=True)
+@dataclass
 class Membership:
-    """One agent's place in the job."""
+    """One agent's place in the job: the rendezvous store (node 0's) and its own."""
 
-    store: JobStore
+    store: JobStore  # where generation 0 meets (the rendezvous endpoint's)
+    own: JobStore  # the store this agent hosts (the same one on node 0)
     job_id: str
     node: int
     ranks: list[int]  # the global ranks it starts
     spares: int  # the hot spares it keeps
+    _spares_made: int = 0
 
     def next_spare_id(self) -> int:
-        """A spare id no other node uses."""
-        return int(self.store.keys.add(SPARE_IDS_KEY, 1)) - 1
+        """A spare id no other node uses (each node numbers its own: no store is asked)."""
+        self._spares_made += 1
+        return self.node * SPARE_IDS + self._spares_made - 1
 
 
 def join(config: AgentConfig, start_job: Callable[[], None]) -> Membership:
@@ -51,12 +56,16 @@ def join(config: AgentConfig, start_job: Callable[[], None]) -> Membership:
     agent) appends JobStarted before any other node can see the job."""
     endpoint = config.rdzv_endpoint
     if endpoint is None:
-        store = JobStore.open(STORE_TIMEOUT)
+        store = own = JobStore.open(STORE_TIMEOUT)
     elif config.hosts_store:
-        store = JobStore.open(STORE_TIMEOUT, endpoint.host, endpoint.port, config.store_secret)
+        store = own = JobStore.open(
+            STORE_TIMEOUT, endpoint.host, endpoint.port, config.store_secret
+        )
     else:
         assert config.store_secret is not None
         store = JobStore.connect(endpoint.host, endpoint.port, config.store_secret, JOIN_TIMEOUT)
+        here = local_address(endpoint.host, endpoint.port)
+        own = JobStore.open(STORE_TIMEOUT, here, 0, config.store_secret)
     if config.starts_job:
         assert config.job_id is not None
         start_job()
@@ -76,8 +85,8 @@ def join(config: AgentConfig, start_job: Callable[[], None]) -> Membership:
     store.keys.add(AGENTS_KEY, 1)
     if node < config.nnodes:
         ranks = list(range(node * config.nproc, (node + 1) * config.nproc))
-        return Membership(store, job_id, node, ranks, config.spares)
-    return Membership(store, job_id, node, [], config.nproc)  # a spare node
+        return Membership(store, own, job_id, node, ranks, config.spares)
+    return Membership(store, own, job_id, node, [], config.nproc)  # a spare node
 
 
 def _claim(store: JobStore, wanted: int | None) -> int:

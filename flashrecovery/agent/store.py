@@ -85,21 +85,33 @@ class JobStore:
             raise ConfigError(f"no job store at {host}:{port} within {timeout}: {exc}") from None
         return cls(host, port, prefix, job_keys(prefix, client))
 
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.port}"
+
     def environment(self) -> dict[str, str]:
-        """How a rank reaches the store and its peers."""
-        env = {
+        """How a rank reaches the store and its peers: gloo listens and connects on the
+        interface that holds the store's address (this node's own, or loopback)."""
+        return {
             "MASTER_ADDR": self.host,
             "MASTER_PORT": str(self.port),
             "FLASHRECOVERY_STORE_PREFIX": self.prefix,
+            "GLOO_SOCKET_IFNAME": interface_of(LOOPBACK if is_loopback(self.host) else self.host),
         }
-        if is_loopback(self.host):
-            env["GLOO_SOCKET_IFNAME"] = loopback_interface()
-        return env
 
 
-def loopback_interface() -> str:
-    """The name of the interface that holds the loopback address ("lo" on Linux)."""
+def interface_of(address: str) -> str:
+    """The name of the interface that holds ``address`` ("lo" for loopback on Linux)."""
     for name, addresses in psutil.net_if_addrs().items():
-        if any(a.family == socket.AF_INET and a.address == LOOPBACK for a in addresses):
+        if any(a.family == socket.AF_INET and a.address == address for a in addresses):
             return name
-    raise ConfigError(f"no network interface holds {LOOPBACK}: the job's peers can't meet on it")
+    raise ConfigError(f"no network interface holds {address}: the job's peers can't meet on it")
+
+
+def local_address(toward: str, port: int) -> str:
+    """The address this host reaches ``toward`` from (no packet is sent: a UDP socket is only
+    connected, which picks the route)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((toward, port))
+        address: str = probe.getsockname()[0]
+        return address

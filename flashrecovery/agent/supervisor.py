@@ -29,6 +29,12 @@ TERM_GRACE_S = 3.0  # SIGTERM, then SIGKILL what is still there
 UNRUNNABLE = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP, psutil.STATUS_ZOMBIE)
 
 
+def meeting_env(endpoint: str) -> dict[str, str]:
+    """How a process finds the store its generation meets on ("host:port")."""
+    host, _, port = endpoint.rpartition(":")
+    return {"MASTER_ADDR": host, "MASTER_PORT": port}
+
+
 @dataclass
 class Child:
     popen: subprocess.Popen[bytes] | ForkedProcess
@@ -85,7 +91,10 @@ class Supervisor:
 
     # ------------------------------------------------------------------ starting
 
-    def spawn_rank(self, rank: int, generation: int = 0, replacement: bool = False) -> Child:
+    def spawn_rank(
+        self, rank: int, generation: int = 0, replacement: bool = False, meet: str | None = None
+    ) -> Child:
+        """``meet``: the store its generation meets on, when another than the agent's now."""
         env = {
             "RANK": str(rank),
             "LOCAL_RANK": str(rank % self._per_node),
@@ -93,10 +102,16 @@ class Supervisor:
             "FLASHRECOVERY_GENERATION": str(generation),
             "FLASHRECOVERY_REPLACEMENT": "1" if replacement else "0",
         }
+        if meet is not None:
+            env.update(meeting_env(meet))
         child = self._spawn(env, rank, None, generation)
         with self._lock:
             self._holders[rank] = child
         return child
+
+    def meet_at(self, endpoint: str) -> None:
+        """The processes started from now on meet on the store at ``endpoint``."""
+        self._env.update(meeting_env(endpoint))
 
     def spawn_spare(self) -> Child:
         spare_id = self._spare_ids()

@@ -42,7 +42,9 @@ from flashrecovery.trainer_hooks.env import GroupRebuild
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nproc", type=int, default=4, help="ranks (default 4)")
+    parser.add_argument(
+        "--nproc", type=int, default=None, help="ranks (default 4; with --nodes N: N, one a node)"
+    )
     parser.add_argument(
         "--spares",
         type=int,
@@ -139,10 +141,10 @@ def kill_plan(args: argparse.Namespace) -> list[Kill]:
             )
     nodes = [Kill.parse_node(spec) for spec in args.kill_node]
     for kill in nodes:
-        if not (kill.node is not None and 0 < kill.node < args.nodes and kill.step < args.steps):
+        if not (kill.node is not None and 0 <= kill.node < args.nodes and kill.step < args.steps):
             raise ValueError(
-                f"--kill-node {kill.node}@{kill.step}: node must be 1..{args.nodes - 1} (node 0 "
-                f"hosts the store and the engine) and step < {args.steps}"
+                f"--kill-node {kill.node}@{kill.step}: node must be 0..{args.nodes - 1} and "
+                f"step < {args.steps}"
             )
     return [*plan, *nodes]
 
@@ -202,6 +204,8 @@ def run(args: argparse.Namespace) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     if args.spares is None:
         args.spares = 1 if args.nodes == 1 else 0
+    if args.nproc is None:
+        args.nproc = 4 if args.nodes == 1 else args.nodes
     try:
         kills = kill_plan(args)
     except ValueError as exc:

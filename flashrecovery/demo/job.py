@@ -154,29 +154,41 @@ class LaunchedJob:
                         start_new_session=True,
                     )
                 ]
-        self._proc = self._agents[0]  # node 0's: its exit is the job's
+        self._killed: set[int] = set()  # nodes whose agents a kill_node ended
         self.started = time.time()
 
     @property
     def pid(self) -> int:
-        return self._proc.pid
+        """Node 0's agent's."""
+        return self._agents[0].pid
+
+    def _survivors(self) -> list[subprocess.Popen[bytes]]:
+        return [agent for node, agent in enumerate(self._agents) if node not in self._killed]
 
     def kill_node(self, node: int) -> float | None:
         """SIGKILL a node's agent and its process group (its ranks then exit on their own,
         as on a machine that is lost); the unix time it was sent, or None if no such node."""
         if self._nodes is None or node not in self._nodes.agents:
             return None
+        self._killed.add(node)
         self._nodes.signal_node(node, signal.SIGKILL)
         return time.time()
 
     def poll(self) -> int | None:
-        return self._proc.poll()
+        """The job's exit code once every agent not killed has ended (the first that failed
+        says how), None while one runs."""
+        codes = [agent.poll() for agent in self._survivors()]
+        if None in codes:
+            return None
+        return next((code for code in codes if code), 0)
 
     def wait(self, timeout: float) -> int | None:
-        """The agent's exit code once it ends, or None if it still runs after ``timeout``."""
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self._proc.wait(timeout)
-        return self._proc.poll()
+        """The job's exit code once it ends, or None if it still runs after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        for agent in self._survivors():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                agent.wait(max(deadline - time.monotonic(), 0.0))
+        return self.poll()
 
     def descendants(self) -> dict[int, psutil.Process]:
         found: dict[int, psutil.Process] = {}
@@ -224,7 +236,7 @@ class LaunchedJob:
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.kill()
         psutil.wait_procs(left, timeout=STOP_GRACE_S)
-        return self._proc.returncode
+        return self.poll()
 
     def __enter__(self) -> LaunchedJob:
         return self

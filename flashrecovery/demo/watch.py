@@ -20,7 +20,7 @@ from flashrecovery.demo.job import LaunchedJob
 from flashrecovery.engine.ingest import ingest
 from flashrecovery.engine.lease import LeaseBook
 from flashrecovery.engine.state import EngineState
-from flashrecovery.records import EngineLease, JobFinished, RankJoined, Stream
+from flashrecovery.records import JobFinished, RankJoined, Stream
 from flashrecovery.statemachines.incident import IncidentState
 from flashrecovery.statemachines.job import JobState
 
@@ -46,10 +46,9 @@ class JobWatch:
         for entry in entries:
             ingest(self.state, entry)
             record = entry.record
+            self.leases.fold(record)
             if isinstance(record, RankJoined):
                 self.joined_pids[record.rank] = record.pid
-            elif isinstance(record, EngineLease):
-                self.leases.observe(record)
             elif isinstance(record, JobFinished):
                 self.finished = record
             if record is not None and record.type not in ("heartbeat", "step_completed"):

@@ -15,6 +15,7 @@ from flashrecovery.engine.context import Context
 from flashrecovery.engine.state import EngineState, NodeView, RankView, SpareStatus, SpareView
 from flashrecovery.errors import IllegalTransition, Rejected
 from flashrecovery.records import (
+    AgentExited,
     CheckpointLoaded,
     CheckpointSaved,
     CollectiveError,
@@ -117,6 +118,7 @@ def _job_started(ctx: Context, record: JobStarted) -> None:
     if state.config is not None:
         raise Rejected("the job has already started")
     state.config = record
+    state.meeting = record.store
     for r in range(record.world_size):
         state.ranks[r] = RankView(RankMachine(f"rank:{r}", census=state.rank_census))
         state.set_node(r, r // record.nproc_per_node)  # laid out node by node
@@ -145,7 +147,16 @@ def _node_joined(ctx: Context, record: NodeJoined) -> None:
     state = ctx.state
     if record.node in state.nodes:
         raise Rejected(f"node {record.node} has joined already (a node comes back as a new one)")
-    state.nodes[record.node] = NodeView(record.node, record.pid, record.host, record.ts)
+    state.nodes[record.node] = NodeView(
+        record.node,
+        record.pid,
+        record.host,
+        record.ts,
+        store=record.store,
+        presence=record.presence,
+    )
+    if record.store is not None and record.store == state.meeting:
+        state.store_node = record.node  # the node holding the meeting store (node 0's, usually)
 
 
 def _node_heartbeat(ctx: Context, record: NodeHeartbeat) -> None:
@@ -172,6 +183,17 @@ def _node_missed(ctx: Context, record: NodeMissed) -> None:
         raise Rejected(f"node {record.node} never joined")
     reason = f"node {record.node} lost: no heartbeat from its agent for {record.silent_s:.2f}s"
     recovery.fail_node(ctx, record.node, record.last_seen_ts, reason)
+
+
+def _agent_exited(ctx: Context, record: AgentExited) -> None:
+    view = ctx.state.nodes.get(record.node)
+    if view is None:
+        raise Rejected(f"node {record.node} never joined")
+    if view.pid != record.pid or view.lost:
+        ctx.state.fenced += 1  # an earlier agent of that node, or a node given up already
+        return
+    reason = f"node {record.node} lost: its agent exited (node {record.observer} saw it go)"
+    recovery.fail_node(ctx, record.node, record.ts, reason)
 
 
 def _node_wait_expired(ctx: Context, record: NodeWaitExpired) -> None:
@@ -411,6 +433,7 @@ HANDLERS: dict[type[Envelope], Callable[[Context, Any], None]] = {
     NodeJoined: _node_joined,
     NodeHeartbeat: _node_heartbeat,
     NodeMissed: _node_missed,
+    AgentExited: _agent_exited,
     NodeWaitExpired: _node_wait_expired,
     RankJoined: _rank_joined,
     SpareReady: _spare_ready,

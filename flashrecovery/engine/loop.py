@@ -53,6 +53,7 @@ class EngineLoop:
         clock: Callable[[], float] = time.time,
         lease_ttl_s: float | None = None,
         engine_id: str | None = None,
+        node: int | None = None,
     ) -> None:
         self.log = open_log(log_or_url) if isinstance(log_or_url, str) else log_or_url
         self._owns_log = isinstance(log_or_url, str)
@@ -63,6 +64,7 @@ class EngineLoop:
         self.lease_ttl_s = lease_ttl_s
         self.engine_id = engine_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.leases = LeaseBook()
+        self.node = node  # whose agent runs this engine (named in its leases)
         self._leading = False
         self._due: list[Decision] = []  # decided, not yet written (a standby keeps them)
         self._written: set[str] = set()
@@ -95,8 +97,7 @@ class EngineLoop:
     def apply(self, entries: list[Entry]) -> int:
         """Decide on each entry; the leader appends the decisions not yet written."""
         for entry in entries:
-            if isinstance(entry.record, EngineLease):
-                self.leases.observe(entry.record)
+            self.leases.fold(entry.record)
             rejected, faults = self.state.rejected.total(), len(self.state.engine_faults)
             self._due.extend(ingest(self.state, entry))
             if self.state.rejected.total() > rejected:  # counted, explained, and said aloud
@@ -154,6 +155,7 @@ class EngineLoop:
                     ts=now,
                     engine_id=self.engine_id,
                     expires_ts=now + self.lease_ttl_s,
+                    node=self.node,
                 ),
             )
 

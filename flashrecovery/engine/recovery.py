@@ -108,6 +108,7 @@ def fail_ranks(
         return
 
     state.generation += 1
+    moved = _move_store(state)  # first: the replacements are told where they meet
     place(ctx, ranks, incident.incident_id)
     for rank in ranks:
         state.set_committed(rank, None)
@@ -122,8 +123,21 @@ def fail_ranks(
         members=sorted(state.ranks),
         replaced=sorted(state.needs_state),
         incident_id=incident.incident_id,
+        store=moved,
     )
     ctx.fire(state.job, Trigger.REGROUP)
+
+
+def _move_store(state: EngineState) -> str | None:
+    """Where the next generation's store is, if it must move: the node holding the current
+    one was lost, so the lowest node alive with a store of its own holds it from now on."""
+    if state.store_node is None or not state.node_lost(state.store_node):
+        return None
+    alive = [v for n, v in sorted(state.nodes.items()) if not v.lost and v.store is not None]
+    if not alive:
+        return None  # nowhere to meet: the ranks' regroup times out and the job says so
+    state.store_node, state.meeting = alive[0].node, alive[0].store
+    return state.meeting
 
 
 def _guard_tripped(ctx: Context, ranks: list[int], error: str, incident: Incident) -> bool:
@@ -243,7 +257,12 @@ def replace_rank(ctx: Context, rank: int, incident_id: str, spare_id: int | None
     if spare_id is not None:
         spare = state.spares[spare_id]
         ctx.emit(
-            AssignSpare, rank=rank, spare_id=spare_id, incident_id=incident_id, node=spare.node
+            AssignSpare,
+            rank=rank,
+            spare_id=spare_id,
+            incident_id=incident_id,
+            node=spare.node,
+            store=state.meeting,
         )
         spare.status = SpareStatus.ASSIGNED
         state.set_pid(rank, spare.pid)
@@ -254,7 +273,9 @@ def replace_rank(ctx: Context, rank: int, incident_id: str, spare_id: int | None
     view.untried_spare = False
     if state.node_lost(view.node):
         return False
-    ctx.emit(SpawnReplacement, rank=rank, incident_id=incident_id, node=view.node)
+    ctx.emit(
+        SpawnReplacement, rank=rank, incident_id=incident_id, node=view.node, store=state.meeting
+    )
     return True
 
 

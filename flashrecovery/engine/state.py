@@ -80,6 +80,8 @@ class NodeView:
     host: str
     last_heartbeat_ts: float
     lost: bool = False
+    store: str | None = None  # the store its agent hosts (a multi-node job's)
+    presence: str | None = None  # where its agent can be watched from (agent/presence.py)
 
 
 @dataclass
@@ -275,6 +277,8 @@ class EngineState:
     awaiting_node: dict[int, str] = field(default_factory=dict)  # rank -> incident, no spare yet
     awaiting_node_since: float | None = None  # when the first of them began to wait
     checkpoint: tuple[int, str] | None = None  # the latest complete checkpoint: (step, path)
+    meeting: str | None = None  # the store the current generation meets on (multi-node)
+    store_node: int | None = None  # the node whose agent hosts it (None: no node's)
 
     def __post_init__(self) -> None:
         self.ranks = RankTable(self.sweeps, self._settle)

@@ -182,9 +182,9 @@ def _lease_spans(records: list[Envelope], t0: float, end: float) -> list[Span]:
     leases the agent's own engine decided throughout."""
     book = LeaseBook()
     spans: list[Span] = []
-    for lease in (r for r in records if isinstance(r, EngineLease)):
-        if not book.observe(lease):
-            continue  # refused: another engine held it
+    for lease in records:
+        if not book.fold(lease) or not isinstance(lease, EngineLease):
+            continue  # refused (another engine held it), or no lease
         start, until = lease.ts - t0, min(lease.expires_ts - t0, end)
         last = spans[-1] if spans else None
         if last is not None and last.label == lease.engine_id and start <= last.end:

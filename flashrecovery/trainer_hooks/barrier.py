@@ -10,8 +10,12 @@ itself finished (so a rank lost after the last commit is still replaced from a l
 from __future__ import annotations
 
 import datetime
+import time
+from collections.abc import Callable
 
 import torch.distributed as dist
+
+from flashrecovery.trainer_hooks.groups import WAIT_SLICE
 
 PASSED, SUPERSEDED = "passed", "superseded"
 
@@ -20,13 +24,29 @@ def name(generation: int, barrier: str) -> str:
     return f"gen/{generation}/{barrier}"
 
 
-def wait(store: dist.Store, key: str, world_size: int, timeout: datetime.timedelta) -> bool:
+def wait(
+    store: dist.Store,
+    key: str,
+    world_size: int,
+    timeout: datetime.timedelta,
+    superseded: Callable[[], bool] = lambda: False,
+) -> bool:
     """Arrive and wait: True when every member arrived, False when superseded. The outcome is
-    set once (compare-and-set from empty), so all members see the same one."""
+    set once (compare-and-set from empty), so all members see the same one. The wait looks for
+    a newer generation every slice, so it ends even when no release can reach the store; past
+    ``timeout`` it raises DistStoreError like any store wait."""
     if store.add(f"{key}/arrived", 1) == world_size:
         store.compare_set(f"{key}/result", "", PASSED)
-    store.wait([f"{key}/result"], timeout)
-    return store.get(f"{key}/result").decode() == PASSED
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        try:
+            store.wait([f"{key}/result"], WAIT_SLICE)
+            return store.get(f"{key}/result").decode() == PASSED
+        except dist.DistStoreError:
+            if superseded():
+                supersede(store, key)
+            elif time.monotonic() > deadline:
+                raise
 
 
 def passed(store: dist.Store, key: str) -> bool:

@@ -46,6 +46,7 @@ class DecisionFollower:
         self._fallback: FallbackToCheckpoint | None = None
         self._failed: FailJob | None = None
         self._isolated: set[int] = set()  # pids the engine fenced off
+        self._stores: dict[int, str] = {}  # generation -> the store it moved to
         self._stop = threading.Event()
         self._link = link
         self._parent = os.getppid()
@@ -70,6 +71,12 @@ class DecisionFollower:
         with self._changed:
             return {r for g, ranks in self._replaced.items() if g > generation for r in ranks}
 
+    def store_for(self, generation: int) -> str | None:
+        """Where ``generation`` meets, if a plan up to it moved the store (None: it did not)."""
+        with self._changed:
+            moved = [g for g in self._stores if g <= generation]
+            return self._stores[max(moved)] if moved else None
+
     def isolated(self, pid: int) -> bool:
         """Whether the engine declared the process failed (it must not rejoin)."""
         with self._changed:
@@ -86,6 +93,8 @@ class DecisionFollower:
         with self._changed:
             if isinstance(decision, RegroupPlanned):
                 self._replaced[decision.generation] = set(decision.replaced)
+                if decision.store is not None:
+                    self._stores[decision.generation] = decision.store
                 if self._regroup is None or decision.generation > self._regroup.generation:
                     self._regroup = decision
             elif isinstance(decision, ResumePlanned):

@@ -16,6 +16,7 @@ from flashrecovery.trainer_hooks.probe import FaultPlan
 CHECKPOINT_DIR = "FLASHRECOVERY_CHECKPOINT_DIR"
 CHECKPOINT_EVERY = "FLASHRECOVERY_CHECKPOINT_EVERY"
 GROUP_REBUILD = "FLASHRECOVERY_GROUP_REBUILD"
+NODE_STORE = "FLASHRECOVERY_NODE_STORE"
 E = TypeVar("E", bound=StrEnum)
 
 
@@ -58,11 +59,19 @@ class LaunchEnv:
     final_state_dir: Path | None  # where finish() leaves the final state (final_state.py)
     agent_socket: str  # where heartbeats go, never the log (agent/relay.py)
     agent_link: str  # where the other records go, and decisions come from (agent/links.py)
+    # "host:port" of the store its own node's agent hosts: where a spare waits for its rank
+    # (a multi-node job's generations may meet on another node's store; agent/job.py)
+    node_store: str = ""
     shards: int = 1  # rank r holds model shard r % shards
     node: int = 0  # the node whose agent started it (FLASHRECOVERY_NODE)
     checkpoint_dir: Path | None = None  # where checkpoints go (trainer_hooks/checkpoint.py)
     checkpoint_every: int = 0  # save after every this many committed steps
     group_rebuild: GroupRebuild = GroupRebuild.FRESH
+
+    @property
+    def launch_store(self) -> str:
+        """The store generation 0 (or the generation it was started for) meets on."""
+        return f"{self.master_addr}:{self.master_port}"
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> LaunchEnv:
@@ -100,6 +109,7 @@ class LaunchEnv:
                 checkpoint_dir=Path(env[CHECKPOINT_DIR]) if env.get(CHECKPOINT_DIR) else None,
                 checkpoint_every=int(env.get(CHECKPOINT_EVERY, "0")),
                 agent_link=need("FLASHRECOVERY_AGENT_LINK"),
+                node_store=env.get(NODE_STORE) or f"{need('MASTER_ADDR')}:{need('MASTER_PORT')}",
                 group_rebuild=group_rebuild,
             )
         except ValueError as exc:

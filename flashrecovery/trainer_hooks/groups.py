@@ -37,6 +37,10 @@ from flashrecovery.trainer_hooks import gloo_loop
 # the heartbeat detector and SIGKILLed, which breaks its peers' collectives at once.
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 RENDEZVOUS_SLICE = datetime.timedelta(seconds=0.1)  # how soon a lost peer's supersession shows
+# The protocol's own store clients (the vote, the barriers): an operation that names no bound
+# gives up after this, so a store whose host is cut off costs seconds, not a collective timeout.
+STORE_OP_TIMEOUT = datetime.timedelta(seconds=5)
+WAIT_SLICE = datetime.timedelta(seconds=0.5)  # a wait for a peer looks this often for a newer plan
 # How long gloo waits for a pair to connect once both ends are known to be there: a peer lost in
 # between is given up on after this long (about twice the default heartbeat timeout). gloo's tcp
 # pair waits five times the timeout it was built with for a first connection.
@@ -62,11 +66,15 @@ def job_keys(prefix: str, store: dist.Store) -> dist.Store:
     return dist.PrefixStore(f"{prefix}/", store)
 
 
-def connect_store(host: str, port: int, prefix: str) -> dist.Store:
-    """A client of the agent's store, seeing the job's keys; each thread that blocks on the
-    store gets its own."""
+def connect_store(
+    endpoint: str, prefix: str, timeout: datetime.timedelta = COLLECTIVE_TIMEOUT
+) -> dist.Store:
+    """A client of an agent's store at ``endpoint`` ("host:port"), seeing the job's keys; each
+    thread that blocks on the store gets its own. ``timeout`` bounds each of its operations
+    that names none (a host cut off answers nothing: the client must not wait for ever)."""
+    host, _, port = endpoint.rpartition(":")
     client = dist.TCPStore(
-        host, port, is_master=False, wait_for_workers=False, timeout=COLLECTIVE_TIMEOUT
+        host, int(port), is_master=False, wait_for_workers=False, timeout=timeout
     )
     return job_keys(prefix, client)
 

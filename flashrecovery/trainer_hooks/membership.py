@@ -44,12 +44,8 @@ class Membership:
         # last step's, by number, is logged before the next vote) and relays the decisions
         # (agent/links.py); its beats go to the agent's socket.
         self.link = AgentLink(env.agent_link)
-        self.store = groups.connect_store(env.master_addr, env.master_port, env.store_prefix)
-        self._closer_store = groups.connect_store(
-            env.master_addr, env.master_port, env.store_prefix
-        )
-        # gloo reads a peer's address through it when a pair first connects (groups.py).
-        self._pairs_store = groups.connect_store(env.master_addr, env.master_port, env.store_prefix)
+        self._endpoint = ""  # the store of the generation it is in (``use_store``)
+        self.use_store(env.launch_store)
         self.host = socket.gethostname()
         self.pid = os.getpid()
         self.rank = env.rank  # None for a spare until it is assigned
@@ -66,6 +62,28 @@ class Membership:
             "cuda" if torch.cuda.is_available() else "cpu", self.superseded, env.group_rebuild
         )
         self.follower = DecisionFollower(self.link, self._on_regroup)
+
+    def use_store(self, endpoint: str) -> None:
+        """Meet on the store at ``endpoint`` from now on: the launch's, or the one a plan moved
+        the job to when the node holding the previous one was lost. Three clients: the
+        training thread's, the decisions thread's (it releases waits), and gloo's (a peer's
+        address is read through it when a pair first connects, groups.py)."""
+        if endpoint == self._endpoint:
+            return
+        prefix = self.env.store_prefix
+        self.store = groups.connect_store(endpoint, prefix, groups.STORE_OP_TIMEOUT)
+        self._closer_store = groups.connect_store(endpoint, prefix, groups.STORE_OP_TIMEOUT)
+        self._pairs_store = groups.connect_store(endpoint, prefix)
+        self._endpoint = endpoint
+
+    def generation_store(self) -> dist.Store:
+        """A new client of the current generation's store (for a thread of its own)."""
+        return groups.connect_store(self._endpoint, self.env.store_prefix)
+
+    def enter(self, generation: int) -> None:
+        """Join ``generation``: on the store its plan names, if it moved."""
+        self.generation = generation
+        self.use_store(self.follower.store_for(generation) or self._endpoint)
 
     def close(self) -> None:
         self.follower.stop()
@@ -128,17 +146,20 @@ class Membership:
             self.machine.fire(Trigger.READY)
 
     def await_assignment(self) -> None:
-        """Block until the agent hands this spare a rank and generation (``spare/{id}``)."""
+        """Block until its agent hands this spare a rank, a generation and that generation's
+        store (``spare/{id}`` on the store of the spare's own node)."""
         key = f"spare/{self.env.spare_id}"
+        node_store = groups.connect_store(self.env.node_store, self.env.store_prefix)
         while True:
             try:
-                self.store.wait([key], SPARE_WAIT)
+                node_store.wait([key], SPARE_WAIT)
                 break
             except dist.DistStoreError:
                 continue  # still idle; an orphaned spare is ended by the decisions thread
-        assignment = json.loads(self.store.get(key))
+        assignment = json.loads(node_store.get(key))
         self.rank = int(assignment["rank"])
         self.generation = int(assignment["generation"])
+        self.use_store(assignment.get("store") or self._endpoint)
         # What the script would have had as a rank (one node: the local rank is the rank).
         os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(self.rank)
         self.machine.fire(Trigger.ASSIGN)
@@ -153,7 +174,8 @@ class Membership:
         inflight.poke()  # DDP's collectives of an older generation give up now
         with self._release_lock:
             if self._release is not None and self._release[0] < generation:
-                self._release[1](self._closer_store)
+                with contextlib.suppress(RuntimeError):  # its store is gone: so is the wait
+                    self._release[1](self._closer_store)
 
     @contextlib.contextmanager
     def releasable(self, release: Callable[[dist.Store], object]) -> Iterator[bool]:
@@ -175,7 +197,9 @@ class Membership:
         with self.releasable(lambda store: barrier.supersede(store, key)) as superseded:
             if superseded:
                 barrier.supersede(self.store, key)
-            return barrier.wait(self.store, key, self.env.world_size, groups.COLLECTIVE_TIMEOUT)
+            return barrier.wait(
+                self.store, key, self.env.world_size, groups.COLLECTIVE_TIMEOUT, self.superseded
+            )
 
     def form(self, generation: int) -> None:
         """Join the generation: the user's stable groups are rebuilt under their handles (they
@@ -235,15 +259,20 @@ class Membership:
         (docs/protocol.md). Aborted when a newer generation is planned first."""
         key = vote.vote_key(self.generation, step)
         world = self.env.world_size
-        with self.releasable(lambda store: vote.close(store, key, world)) as superseded:
-            if not self.link.wait_logged(previous_record, RECOVERY_TIMEOUT_S, self.superseded):
-                return vote.close(self.store, key, world)  # superseded, or the agent is gone
-            verdict = vote.cast(self.store, key, world)
-            if verdict is None and superseded:
-                verdict = vote.close(self.store, key, world)
-            if verdict is None:
-                try:
-                    verdict = vote.wait(self.store, key)  # COLLECTIVE_TIMEOUT at most
-                except dist.DistStoreError:  # nobody made it final in time: settle it here
+        try:
+            with self.releasable(lambda store: vote.close(store, key, world)) as superseded:
+                if not self.link.wait_logged(previous_record, RECOVERY_TIMEOUT_S, self.superseded):
+                    return vote.close(self.store, key, world)  # superseded, or the agent is gone
+                verdict = vote.cast(self.store, key, world)
+                if verdict is None and superseded:
                     verdict = vote.close(self.store, key, world)
+                if verdict is None:
+                    # COLLECTIVE_TIMEOUT at most; a newer plan settles it at once
+                    verdict = vote.wait(self.store, key, world, self.superseded)
+        except RuntimeError:
+            # The store is gone with its host (a lost node, a link cut): the verdict cannot be
+            # known here, so the step is not committed on this member. The next generation's
+            # plan resumes after the highest step any member committed and restores the others,
+            # so members that saw it commit and this one never diverge.
+            return vote.Verdict.ABORTED
         return verdict

@@ -79,7 +79,7 @@ class Recovery:
         while True:
             if member.follower.isolated(member.pid):
                 raise ReplacedError(f"rank {member.rank} was declared failed and replaced")
-            member.generation = generation
+            member.enter(generation)
             try:
                 self._probe(Point.REGROUP, member.rank, self._state.committed_step)
                 # No barrier of all members: forming waits for nobody (groups.py), and the

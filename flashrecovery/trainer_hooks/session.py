@@ -33,7 +33,7 @@ from flashrecovery.records import (
 )
 from flashrecovery.statemachines.base import Trigger
 from flashrecovery.statemachines.session import SessionMachine, SessionState
-from flashrecovery.trainer_hooks import ddp, final_state, groups, stable_group, vote
+from flashrecovery.trainer_hooks import ddp, final_state, stable_group, vote
 from flashrecovery.trainer_hooks.env import LaunchEnv, Role
 from flashrecovery.trainer_hooks.gradients import ReducedGradients
 from flashrecovery.trainer_hooks.heartbeat import HeartbeatThread
@@ -254,7 +254,7 @@ class Session:
         return Checkpointer(
             env.checkpoint_dir,
             env.checkpoint_every,
-            lambda: groups.connect_store(env.master_addr, env.master_port, env.store_prefix),
+            self._member.generation_store,
             lambda step, path: self._member.append(CheckpointSaved, step=step, path=path),
             lambda generation: self._member.follower.replaced_after(generation),
         )

@@ -14,9 +14,13 @@ too (the same value), so it is published unless every one of them dies at that m
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from enum import StrEnum
 
 import torch.distributed as dist
+
+from flashrecovery.trainer_hooks.groups import COLLECTIVE_TIMEOUT, WAIT_SLICE
 
 CLOSED = 1 << 32  # what a closer adds: far above any world size
 
@@ -56,11 +60,19 @@ def close(store: dist.Store, key: str, world_size: int) -> Verdict:
         return _finish(store, key, Verdict.COMMITTED if votes == world_size else Verdict.ABORTED)
     if votes < world_size:
         return _finish(store, key, Verdict.ABORTED)
-    return wait(store, key)
+    return Verdict(store.get(f"{key}/verdict").decode())  # the first closer publishes it
 
 
-def wait(store: dist.Store, key: str) -> Verdict:
-    """Block until the vote is final, bounded by the store client's timeout (raises then like
-    any store wait). One ``get``: it waits for the key itself, so a separate ``wait`` first
-    would only add a round trip to the store on every step (python -m bench.overhead)."""
-    return Verdict(store.get(f"{key}/verdict").decode())
+def wait(store: dist.Store, key: str, world_size: int, superseded: Callable[[], bool]) -> Verdict:
+    """Block until the vote is final: in slices, so a newer generation planned meanwhile ends
+    the wait (closing the vote) even when no release can reach the store (its host cut off);
+    bounded by COLLECTIVE_TIMEOUT, after which it is settled here by closing it."""
+    deadline = time.monotonic() + COLLECTIVE_TIMEOUT.total_seconds()
+    verdict = f"{key}/verdict"
+    while True:
+        try:
+            store.wait([verdict], WAIT_SLICE)
+            return Verdict(store.get(verdict).decode())
+        except dist.DistStoreError:
+            if superseded() or time.monotonic() > deadline:
+                return close(store, key, world_size)
