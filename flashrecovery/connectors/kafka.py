@@ -43,6 +43,7 @@ CONSUMER_FETCH_BYTES = 8 * 1024 * 1024
 # The largest record the producer sends and the job's topics take (the broker's default is
 # 1 MB). A regroup decision lists every member, about 6 bytes per rank: 1 MB is ~170,000 ranks.
 RECORD_MAX_BYTES = 16 * 1024 * 1024  # below the producer's 32 MB buffer
+MAX_REPLICAS = 3  # a topic's replicas when the URL names none: as many brokers as there are, to 3
 _OWN = {"topic_prefix", "partitions", "replication_factor", "timeout_s"}
 _SECRET = re.compile(r"((?:password|token|secret)[^=&]*=)[^&]*", re.IGNORECASE)
 
@@ -80,7 +81,7 @@ class KafkaSettings:
     bootstrap: str
     topic_prefix: str = "flashrecovery."
     partitions: int = 1  # one total order per stream, like the embedded log; raise to scale
-    replication_factor: int = 1
+    replication_factor: int = 0  # 0: as many replicas as brokers, up to 3
     timeout_s: float = 10.0
     clients: dict[str, dict[str, Any]] = field(
         default_factory=lambda: {name: {} for name in _CLIENT_DEFAULTS}
@@ -196,10 +197,17 @@ def ensure_topics(settings: KafkaSettings) -> list[str]:
         try:
             missing = sorted(set(topics) - set(admin.list_topics()))
             if missing:
+                brokers = admin.describe_cluster()["brokers"]
+                serving = [b for b in brokers if not b.get("is_fenced")]
+                replicas = settings.replication_factor or min(MAX_REPLICAS, len(serving))
                 spec = {
                     "num_partitions": settings.partitions,
-                    "replication_factor": settings.replication_factor,
-                    "configs": {"max.message.bytes": str(RECORD_MAX_BYTES)},
+                    "replication_factor": replicas,
+                    "configs": {
+                        "max.message.bytes": str(RECORD_MAX_BYTES),
+                        # acks=all waits for this many: one broker may be lost, none lost twice
+                        "min.insync.replicas": str(max(1, replicas - 1)),
+                    },
                 }
                 try:
                     admin.create_topics(
