@@ -138,7 +138,10 @@ def test_demo_node_kill_recovers_bitwise_equal(tmp_path: Path) -> None:
     assert summary["verify"]["bitwise_equal"] is True, context
     [incident] = summary["incidents"]
     assert incident["failed"] == "node 1 (ranks 2, 3)", context
-    assert incident["replacement"] == "hot spare 0 (node 2), hot spare 1 (node 2)", context
+    # spare ids are numbered per node (node k from k * 100000): the spare node is node 2
+    assert incident["replacement"] == "hot spare 200000 (node 2), hot spare 200001 (node 2)", (
+        context
+    )
     assert [(k["node"], k["outcome"]) for k in summary["kills"]] == [(1, "killed")], context
     assert code == 0
 

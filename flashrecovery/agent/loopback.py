@@ -1,7 +1,8 @@
 """Several "nodes" on one machine: one `flashrecovery run` agent per node, each a process of
-its own in its own process group, meeting at a loopback rendezvous endpoint. What the demo, the
-live tests and the bench use to try multi-node jobs (and whole-node failures: a signal to an
-agent's process group) without a cluster (docs/multinode.md).
+its own in its own process group, meeting at a loopback rendezvous endpoint — or, given a
+``Network`` (agent/netns.py), each node in a network namespace of its own with an address of
+its own, so that a node can be cut off instead of killed. What the demo, chaos, the live tests
+and the bench use to try multi-node jobs without a cluster (docs/multinode.md).
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from pathlib import Path
 
 import flashrecovery
 from flashrecovery.agent.config import LOOPBACK
+from flashrecovery.agent.netns import Network
+
+RDZV_PORT = 29500  # node 0's, in a network of its own
 
 TEARDOWN_S = 10.0  # an agent's own teardown takes a few seconds (agent/supervisor.py)
 
@@ -47,6 +51,7 @@ class LoopbackNodes:
     control_plane: bool = False  # the store and engine in a process of their own
     control_args: list[str] = field(default_factory=list)  # more `control-plane` options
     environment: dict[str, str] = field(default_factory=dict)  # more for every agent's
+    network: Network | None = None  # node k in its host "n<k>", else all on loopback
     agents: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
     control: subprocess.Popen[bytes] | None = None  # the control plane's process
     port: int = field(default_factory=free_port)
@@ -54,7 +59,14 @@ class LoopbackNodes:
 
     @property
     def endpoint(self) -> str:
+        if self.network is not None:
+            return f"{self.network.hosts['n0'].address}:{RDZV_PORT}"
         return f"{LOOPBACK}:{self.port}"
+
+    @staticmethod
+    def host_of(node: int) -> str:
+        """The name of node ``node``'s host in the network."""
+        return f"n{node}"
 
     def start(self) -> LoopbackNodes:
         if self.control_plane:
@@ -86,11 +98,13 @@ class LoopbackNodes:
         if self.output_dir is not None:
             command += ["--output-dir", str(self.output_dir / f"node{node}")]
         command += [*self.agent_args, str(self.script), *self.script_args]
-        self.agents[node] = self._popen(command, f"node{node}")
+        self.agents[node] = self._popen(command, f"node{node}", self.host_of(node))
 
-    def _popen(self, command: list[str], name: str) -> subprocess.Popen[bytes]:
-        """A `flashrecovery` command in a process group of its own, its output in
-        ``output_dir/name.log``."""
+    def _popen(
+        self, command: list[str], name: str, host: str | None = None
+    ) -> subprocess.Popen[bytes]:
+        """A `flashrecovery` command in a process group of its own (in ``host``'s network, if
+        there is one), its output in ``output_dir/name.log``."""
         output = None
         if self.output_dir is not None:
             self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -103,9 +117,12 @@ class LoopbackNodes:
             "PYTHONPATH": python_path,
             "FLASHRECOVERY_STORE_PREFIX": self._secret,
         }
+        argv = [sys.executable, "-m", "flashrecovery.cli", *command]
+        if self.network is not None and host is not None:
+            argv = self.network.hosts[host].command(argv)
         try:
             return subprocess.Popen(
-                [sys.executable, "-m", "flashrecovery.cli", *command],
+                argv,
                 env=env,
                 stdout=output,
                 stderr=subprocess.STDOUT if output else None,

@@ -13,13 +13,14 @@ bitwise equality with a fault-free reference run of the same seed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console, RenderableType
 from rich.live import Live
@@ -40,6 +41,10 @@ from flashrecovery.demo.watch import JobWatch, Kill, Killer, follow
 from flashrecovery.errors import LogError
 from flashrecovery.trainer_hooks.env import GroupRebuild
 
+if TYPE_CHECKING:
+    from flashrecovery.agent.netns import Network
+    from flashrecovery.agent.testbed import Testbed
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -57,6 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="loopback nodes, an agent each, sharing --nproc ranks, plus a spare node of "
         "--nproc/--nodes hot spares (default 1: one agent, no spare node)",
+    )
+    parser.add_argument(
+        "--netns",
+        action="store_true",
+        help="with --nodes: each node in a network namespace of its own with an address of its "
+        "own, the log on a 3-broker Kafka cluster of such hosts (needs root; agent/netns.py)",
     )
     parser.add_argument(
         "--kill-node",
@@ -172,11 +183,13 @@ def execute(
     timeout: float,
     on_round: Callable[[LaunchedJob, JobWatch], str | None] = lambda job, watch: None,
     at_end: Callable[[LaunchedJob, JobWatch], None] = lambda job, watch: None,
+    network: Network | None = None,
 ) -> int | None:
     """Run one job to its end (or the timeout), killing as planned; returns the agent's code.
     ``on_round`` acts once per round of the watch (what it says is printed); ``at_end`` runs
-    once the agent has ended, before whatever it left behind is ended."""
-    with open_log(spec.log_url) as log, LaunchedJob(spec) as job:
+    once the agent has ended, before whatever it left behind is ended. ``network``: each node
+    in a host of it (--netns)."""
+    with open_log(spec.log_url) as log, LaunchedJob(spec, network) as job:
         watch = JobWatch(log, spec.job_id)
         killer = Killer(job, kills)
         with Live(
@@ -211,9 +224,34 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"flashrecovery demo: error: {exc}", file=sys.stderr)
         return 2
+    if args.netns and (args.nodes < 2 or args.log):
+        print("flashrecovery demo: error: --netns needs --nodes 2 or more, and makes its own "
+              "Kafka log (no --log)", file=sys.stderr)  # fmt: skip
+        return 2
     run_dir = (args.run_dir or Path("runs") / f"demo-{stamp}").resolve()
+    with contextlib.ExitStack() as stack:
+        testbed = None
+        if args.netns:  # the agent package imports torch: only here
+            from flashrecovery.agent.testbed import Testbed
+
+            testbed = stack.enter_context(Testbed(args.nodes + 1))
+        log_url = (
+            testbed.log_url(f"demo-{stamp}.")
+            if testbed is not None
+            else args.log or f"sqlite://{run_dir / 'log.db'}"
+        )
+        return _run(args, stamp, run_dir, log_url, kills, testbed)
+
+
+def _run(
+    args: argparse.Namespace,
+    stamp: str,
+    run_dir: Path,
+    log_url: str,
+    kills: list[Kill],
+    testbed: Testbed | None,
+) -> int:
     checkpoint_every = FSDP_CHECKPOINT_EVERY if args.parallel == "fsdp" else 0
-    log_url = args.log or f"sqlite://{run_dir / 'log.db'}"
     spec = JobSpec(
         job_id=f"demo-{stamp}-seed{args.seed}",
         log_url=log_url,
@@ -257,10 +295,11 @@ def run(args: argparse.Namespace) -> int:
         f"[bold]flashrecovery demo[/]: {shape}, {spec.steps} steps, seed {spec.seed}; "
         f"SIGKILL {plan}\nrun dir {run_dir}"
     )
+    network = testbed.network if testbed is not None else None
     try:
-        returncode = execute(spec, kills, console, "training", args.timeout)
+        returncode = execute(spec, kills, console, "training", args.timeout, network=network)
         if reference is not None:
-            execute(reference, [], console, "reference (fault-free)", args.timeout)
+            execute(reference, [], console, "reference (fault-free)", args.timeout, network=network)
         with open_log(log_url) as log:
             summary = summarize(log, spec, kills, returncode, reference)
     except LogError as exc:

@@ -25,6 +25,7 @@ from flashrecovery.trainer_hooks import probe  # no torch: only the session impo
 
 if TYPE_CHECKING:  # the agent package imports torch: only a job of several nodes needs it
     from flashrecovery.agent.loopback import LoopbackNodes
+    from flashrecovery.agent.netns import Network
 
 TRAIN_SCRIPT = Path(__file__).resolve().with_name("train.py")  # by path: no torch import here
 STOP_GRACE_S = 5.0
@@ -113,7 +114,8 @@ class JobSpec:
         """Node 0's agent's output."""
         return self.run_dir / ("agent.out" if self.nodes == 1 else "agents/node0.log")
 
-    def loopback_nodes(self) -> LoopbackNodes:
+    def loopback_nodes(self, network: Network | None = None) -> LoopbackNodes:
+        """The job's nodes on this machine: on loopback, or each in a host of ``network``."""
         from flashrecovery.agent.loopback import LoopbackNodes
 
         script, *script_args = self.script_command()
@@ -129,18 +131,20 @@ class JobSpec:
             agent_args=self.run_options(),
             output_dir=self.agent_output.parent,
             environment=self.environment(),
+            network=network,
         )
 
 
 class LaunchedJob:
-    """A running `flashrecovery run` and its descendants; a context manager that ends them."""
+    """A running `flashrecovery run` and its descendants; a context manager that ends them.
+    ``network``: its nodes each in a host of it (agent/netns.py)."""
 
-    def __init__(self, spec: JobSpec) -> None:
+    def __init__(self, spec: JobSpec, network: Network | None = None) -> None:
         self.spec = spec
         spec.run_dir.mkdir(parents=True, exist_ok=True)
         self._nodes: LoopbackNodes | None = None
         if spec.nodes > 1:
-            self._nodes = spec.loopback_nodes().start()
+            self._nodes = spec.loopback_nodes(network).start()
             self._agents = list(self._nodes.agents.values())
         else:
             with spec.agent_output.open("wb") as out:

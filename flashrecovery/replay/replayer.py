@@ -15,6 +15,7 @@ from flashrecovery.engine.ingest import ingest
 from flashrecovery.engine.recovery import phase_durations
 from flashrecovery.engine.state import EngineState
 from flashrecovery.records import Decision, IncidentClosed, Stream
+from flashrecovery.replay import consistency
 
 
 @dataclass
@@ -40,10 +41,13 @@ class ReplayReport:
     divergence: Divergence | None = None
     pending: list[dict[str, Any]] = field(default_factory=list)  # decided, not yet recorded
     recorded_closures: list[Decision] = field(default_factory=list)
+    # What must hold over the whole log whatever the network did (replay/consistency.py)
+    unleased_deciders: list[str] = field(default_factory=list)
+    double_commits: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return self.divergence is None
+        return self.divergence is None and not self.unleased_deciders and not self.double_commits
 
     def incidents(self) -> list[dict[str, Any]]:
         closed = {d.incident_id: d for d in self.recorded_closures if isinstance(d, IncidentClosed)}
@@ -82,6 +86,8 @@ class ReplayReport:
                 "replayed": self.divergence.replayed,
             },
             "pending": self.pending,
+            "unleased_deciders": self.unleased_deciders,
+            "double_commits": self.double_commits,
             "job_state": self.state.job.state,
             "verdict": self.state.verdict,
             "generation": self.state.generation,
@@ -99,7 +105,8 @@ def _as_dict(decision: Decision | None) -> dict[str, Any] | None:
 def replay_job(log: LogConnector, job_id: str, until: int | None = None) -> ReplayReport:
     """Rebuild the job from its events (up to ``until`` inclusive) and check its decisions."""
     recorded: dict[int, list[Decision]] = {}
-    for entry in log.read(Stream.DECISIONS, job_id):
+    decisions = log.read(Stream.DECISIONS, job_id)
+    for entry in decisions:
         if isinstance(entry.record, Decision):
             recorded.setdefault(entry.record.caused_by, []).append(entry.record)
     last_recorded = max(recorded, default=-1)
@@ -107,9 +114,10 @@ def replay_job(log: LogConnector, job_id: str, until: int | None = None) -> Repl
     report.recorded_closures = [
         d for ds in recorded.values() for d in ds if d.type == "incident_closed"
     ]
-    for entry in log.read(Stream.EVENTS, job_id):
-        if until is not None and entry.position > until:
-            break
+    events = [e for e in log.read(Stream.EVENTS, job_id) if until is None or e.position <= until]
+    report.unleased_deciders = consistency.deciders_without_lease(events, decisions)
+    report.double_commits = consistency.steps_committed_twice(events, decisions)
+    for entry in events:
         report.events += 1
         replayed = ingest(report.state, entry)
         expected = recorded.pop(entry.position, [])

@@ -18,7 +18,13 @@ def print_replay(report: ReplayReport, console: Console | None = None) -> None:
     """Record text (job ids, reasons) is printed as it is, never read as markup."""
     console = console or terminal.console()
     data = report.to_json()
-    verdict = "[green]replay OK[/]" if report.ok else "[red]DIVERGENCE[/]"
+    verdict = (
+        "[green]replay OK[/]"
+        if report.ok
+        else "[red]DIVERGENCE[/]"
+        if report.divergence is not None
+        else "[red]INCONSISTENT[/]"
+    )
     console.print(
         f"{verdict}  job {escape(report.job_id)}: {report.events} events, "
         f"{report.decisions_checked} decisions reproduced, generation {report.state.generation}, "
@@ -26,6 +32,10 @@ def print_replay(report: ReplayReport, console: Console | None = None) -> None:
     )
     if report.divergence is not None:
         console.print(report.divergence.describe(), markup=False)
+    for problem in report.unleased_deciders:
+        console.print(f"decided without the lease: {problem}", markup=False)
+    for problem in report.double_commits:
+        console.print(f"two generations committed a step: {problem}", markup=False)
     if report.state.verdict is not None:
         console.print(f"the engine failed the job: {report.state.verdict}", markup=False)
     if report.pending:
