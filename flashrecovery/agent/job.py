@@ -28,7 +28,7 @@ from flashrecovery.agent.actions import SPAWNS_PER_S, Actions, SpawnBudget
 from flashrecovery.agent.config import AgentConfig, SpareRefill, StartMethod
 from flashrecovery.agent.forkserver import ForkServer
 from flashrecovery.agent.links import ProcessLinks
-from flashrecovery.agent.meeting import Meeting
+from flashrecovery.agent.meeting import EndWatch, Meeting
 from flashrecovery.agent.nodedir import NodeDir
 from flashrecovery.agent.presence import Presence
 from flashrecovery.agent.relay import BeatRelay
@@ -53,7 +53,7 @@ from flashrecovery.records import (
     RegroupPlanned,
     Stream,
 )
-from flashrecovery.trainer_hooks import barrier, final_state, probe
+from flashrecovery.trainer_hooks import final_state, probe
 from flashrecovery.trainer_hooks.decisions import PROCESS_DECISIONS
 from flashrecovery.trainer_hooks.env import (
     CHECKPOINT_DIR,
@@ -367,58 +367,68 @@ class Agent:
     ) -> Outcome:
         # While the log is briefly away the cursor returns nothing: the children train on.
         decisions = StreamCursor(self._log, Stream.DECISIONS, self.job_id, stop=self._stop)
+        # A single node holds every rank; across nodes, training is over once every member
+        # passed the last generation's `done` barrier (docs/protocol.md) on the meeting store.
+        end = EndWatch(meeting, lambda: self._generation) if self.config.multinode else None
         down_since: float | None = None
-        away_since: float | None = None  # since when the meeting store is unreachable
-        while True:
-            for entry in decisions.poll(FOLLOW_TIMEOUT_S):
-                if isinstance(entry.record, Decision):
-                    self._generation = max(self._generation, entry.record.generation)
-                    if isinstance(entry.record, RegroupPlanned) and meeting.follow(entry.record):
-                        supervisor.meet_at(meeting.endpoint)  # where its new processes meet
-                        away_since = None
-                    if self._links is not None and isinstance(entry.record, PROCESS_DECISIONS):
-                        self._links.relay(entry.record)
-                    reason = actions.apply(entry.record)
-                    if reason is not None:
-                        return Outcome(JobOutcome.FAILED, 1, reason)
-            actions.tick()
-            self._watch_peers()
+        try:
+            while True:
+                for entry in decisions.poll(FOLLOW_TIMEOUT_S):
+                    if isinstance(entry.record, Decision):
+                        reason = self._decided(entry.record, meeting, supervisor, actions)
+                        if reason is not None:
+                            return Outcome(JobOutcome.FAILED, 1, reason)
+                actions.tick()
+                self._watch_peers()
+                if supervisor.all_finished() and (end is None or end.passed.is_set()):
+                    return self._completed(meeting)
+                # With a control plane no agent holds a store of the job: its loss ends it.
+                patience = 0.0 if self.config.control_plane else STORE_AWAY_S
+                if end is not None and end.away_s() > patience:
+                    return Outcome(
+                        JobOutcome.FAILED,
+                        1,
+                        f"the job's store at {meeting.endpoint} is unreachable, its host is lost "
+                        f"(for {end.away_s():.1f}s, and no plan moved it)",
+                    )
+                if self._stop.is_set():
+                    return Outcome(JobOutcome.FAILED, 1, "stopped")
+                if engine is not None and engine.error is not None:
+                    return Outcome(JobOutcome.FAILED, 1, f"engine stopped: {engine.error!r}")
+                if not supervisor.rank_down():
+                    down_since = None
+                elif down_since is None:
+                    down_since = time.monotonic()
+                elif time.monotonic() - down_since > STUCK_AFTER_S:
+                    why = f"a rank stayed down for {STUCK_AFTER_S:.0f}s"
+                    return Outcome(JobOutcome.FAILED, 1, why)
+        finally:
+            if end is not None:
+                end.close()
+
+    def _decided(
+        self, decision: Decision, meeting: Meeting, supervisor: Supervisor, actions: Actions
+    ) -> str | None:
+        """Take one decision in (relay it to the processes, carry it out); why the job must
+        end, if it must."""
+        self._generation = max(self._generation, decision.generation)
+        if isinstance(decision, RegroupPlanned) and meeting.follow(decision):
+            supervisor.meet_at(meeting.endpoint)  # where its new processes meet
+        if self._links is not None and isinstance(decision, PROCESS_DECISIONS):
+            self._links.relay(decision)
+        return actions.apply(decision)
+
+    def _completed(self, meeting: Meeting) -> Outcome:
+        """Training is over everywhere: the node's last records go out before the seal, and
+        the agent hosting the meeting store is told this one has seen the end."""
+        if self._links is not None:
+            self._links.flush(LINK_DRAIN_S)
+        if self.config.multinode and not meeting.here:
             try:
-                # A single node holds every rank; across nodes, every member passed the last
-                # generation's `done` barrier (docs/protocol.md): training is over everywhere.
-                done = not self.config.multinode or barrier.passed(
-                    meeting.keys(), barrier.name(self._generation, "done")
-                )
-                if done and supervisor.all_finished():
-                    if self._links is not None:
-                        self._links.flush(LINK_DRAIN_S)  # the ranks' last records before the seal
-                    if not meeting.here:
-                        meeting.keys().add(rendezvous.AGENTS_DONE_KEY, 1)
-                    return Outcome(JobOutcome.COMPLETED, 0)
-                away_since = None
-            except (RuntimeError, ConfigError) as exc:  # the meeting store's host is gone
-                meeting.lost()
-                first_line = str(exc).splitlines()[0]
-                lost = (
-                    f"the job's store at {meeting.endpoint} is unreachable, its host is lost "
-                    f"({first_line})"
-                )
-                if self.config.control_plane:  # nobody else holds a store: the job ends
-                    return Outcome(JobOutcome.FAILED, 1, lost)
-                now = time.monotonic()
-                away_since = away_since or now
-                if now - away_since > STORE_AWAY_S:  # and no plan moved the meeting elsewhere
-                    return Outcome(JobOutcome.FAILED, 1, f"{lost} for {STORE_AWAY_S:.0f}s")
-            if self._stop.is_set():
-                return Outcome(JobOutcome.FAILED, 1, "stopped")
-            if engine is not None and engine.error is not None:
-                return Outcome(JobOutcome.FAILED, 1, f"engine stopped: {engine.error!r}")
-            if not supervisor.rank_down():
-                down_since = None
-            elif down_since is None:
-                down_since = time.monotonic()
-            elif time.monotonic() - down_since > STUCK_AFTER_S:
-                return Outcome(JobOutcome.FAILED, 1, f"a rank stayed down for {STUCK_AFTER_S:.0f}s")
+                meeting.keys().add(rendezvous.AGENTS_DONE_KEY, 1)
+            except (RuntimeError, ConfigError):  # its host was lost at the very end
+                log.warning("the meeting store is gone: the end is not confirmed to it")
+        return Outcome(JobOutcome.COMPLETED, 0)
 
     def _child_env(
         self, member: rendezvous.Membership, meeting: Meeting, relay: BeatRelay

@@ -5,27 +5,35 @@ node 0's, at the rendezvous endpoint, and a plan that follows the loss of the no
 meeting store names another (``RegroupPlanned.store``, chosen by the engine). The vote, the
 barriers and the groups' rendezvous of a generation live there and nowhere else, so nothing a
 later generation needs is lost with that node: each generation's keys are its own. An agent
-follows the plans to know where to look for the end of the job, where its new processes meet,
+follows the plans to know where its new processes meet, where to look for the end of the job,
 and whether it is the one that keeps the meeting store up to the end and seals the log.
+
+The end is looked for by a thread of its own (``EndWatch``): a meeting store on a node just
+lost answers nothing for seconds, and the agent's decisions must never wait for it.
 """
 
 from __future__ import annotations
 
 import datetime
+import threading
+import time
+from collections.abc import Callable
 
 import torch.distributed as dist
 
 from flashrecovery.agent.store import JobStore
+from flashrecovery.errors import ConfigError
 from flashrecovery.records import RegroupPlanned
+from flashrecovery.trainer_hooks import barrier
 
 CONNECT_TIMEOUT = datetime.timedelta(seconds=5)
+LOOK_S = 0.2  # how often the end is looked for
 
 
 class Meeting:
     def __init__(self, own: JobStore, launch: JobStore) -> None:
         self._own = own
         self.endpoint = launch.endpoint
-        self._keys: dist.Store | None = launch.keys
 
     @property
     def here(self) -> bool:
@@ -36,21 +44,48 @@ class Meeting:
         """Take a plan in; True when it moved the meeting."""
         if plan.store is None or plan.store == self.endpoint:
             return False
-        self.endpoint, self._keys = plan.store, None
+        self.endpoint = plan.store
         return True
 
     def keys(self) -> dist.Store:
-        """The meeting store's keys (a RuntimeError while it cannot be reached)."""
-        if self._keys is None:
-            if self.here:
-                self._keys = self._own.keys
-            else:
-                host, _, port = self.endpoint.rpartition(":")
-                self._keys = JobStore.connect(
-                    host, int(port), self._own.prefix, CONNECT_TIMEOUT
-                ).keys
-        return self._keys
+        """A client of the meeting store (ConfigError or RuntimeError while it is away)."""
+        if self.here:
+            return self._own.keys
+        host, _, port = self.endpoint.rpartition(":")
+        return JobStore.connect(host, int(port), self._own.prefix, CONNECT_TIMEOUT).keys
 
-    def lost(self) -> None:
-        """The client broke (its host may be gone): connect again when next asked."""
-        self._keys = None
+
+class EndWatch:
+    """Whether every member passed the current generation's ``done`` barrier, looked for on
+    the meeting store from a thread of its own; ``away_s()``: how long it could not be asked."""
+
+    def __init__(self, meeting: Meeting, generation: Callable[[], int]) -> None:
+        self._meeting, self._generation = meeting, generation
+        self.passed = threading.Event()
+        self._away_since: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="flashrecovery-end", daemon=True)
+        self._thread.start()
+
+    def away_s(self) -> float:
+        since = self._away_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(CONNECT_TIMEOUT.total_seconds() + 1)
+
+    def _run(self) -> None:
+        keys, endpoint = None, None
+        while not self._stop.wait(LOOK_S):
+            try:
+                if keys is None or endpoint != self._meeting.endpoint:
+                    endpoint = self._meeting.endpoint
+                    keys = self._meeting.keys()
+                if barrier.passed(keys, barrier.name(self._generation(), "done")):
+                    self.passed.set()
+                    return
+                self._away_since = None
+            except (RuntimeError, ConfigError):  # its host is lost: a plan will move it
+                keys = None
+                self._away_since = self._away_since or time.monotonic()

@@ -28,6 +28,10 @@ from flashrecovery.errors import ConfigError
 PREFIX = "fr"  # every namespace, bridge and veth this module makes starts with it
 MARKERS = Path("/run/flashrecovery-netns")  # <id>.pid: who made the network <id>
 NFT_TABLE = "flashrecovery"  # the table a host's traffic rules live in, in its own namespace
+NETNS_ETC = Path("/etc/netns")  # `ip netns exec` mounts <netns>/resolv.conf over /etc's
+# No name server is reachable from a namespace: lookups must fail at once, not after the
+# resolver's timeouts (torch's store client looks its own address up as it connects).
+RESOLV_CONF = "nameserver 127.0.0.1\noptions timeout:1 attempts:1\n"
 
 
 class Direction(StrEnum):
@@ -107,6 +111,9 @@ class Network:
             f"{PREFIX}{self.id}i{index}",
         )  # fmt: skip
         _run("ip", "netns", "add", host.netns)
+        etc = NETNS_ETC / host.netns
+        etc.mkdir(parents=True, exist_ok=True)
+        (etc / "resolv.conf").write_text(RESOLV_CONF)
         _run("ip", "link", "add", host.outer, "type", "veth", "peer", "name", host.inner)
         _run("ip", "link", "set", host.outer, "master", self.bridge)
         _run("ip", "link", "set", host.outer, "up")
@@ -180,6 +187,8 @@ def _remove(network_id: str) -> None:
         if netns.startswith(f"{PREFIX}{network_id}-"):
             with contextlib.suppress(ConfigError):
                 _run("ip", "netns", "del", netns)
+    for etc in NETNS_ETC.glob(f"{PREFIX}{network_id}-*"):
+        shutil.rmtree(etc, ignore_errors=True)
     for line in _run("ip", "-o", "link", "show").splitlines():
         link = line.split(":")[1].strip().split("@")[0]
         if link.startswith(f"{PREFIX}{network_id}"):
