@@ -18,6 +18,7 @@ planned (``poke``).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -188,6 +189,19 @@ def _leave_behind(group: object, ended: threading.Event) -> Superseded:
     with _lock:
         _left_behind.append((group, ended))
     return Superseded("a newer generation was planned while a collective waited")
+
+
+def abandon_left_behind() -> int:
+    """The process is leaving: the groups still left behind with work in flight (a peer cut
+    off the network answers nothing until the collective timeout) are never destroyed, so the
+    interpreter's exit does not wait out that timeout in their destructors and then abort on
+    the collective's error. Returns how many were abandoned."""
+    with _lock:
+        abandoned = [g for g, e in _left_behind if not e.is_set()]
+        _left_behind.clear()
+    for group in abandoned:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))  # a reference nobody drops
+    return len(abandoned)
 
 
 def release_finished() -> None:

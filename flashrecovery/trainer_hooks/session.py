@@ -33,7 +33,7 @@ from flashrecovery.records import (
 )
 from flashrecovery.statemachines.base import Trigger
 from flashrecovery.statemachines.session import SessionMachine, SessionState
-from flashrecovery.trainer_hooks import ddp, final_state, stable_group, vote
+from flashrecovery.trainer_hooks import ddp, final_state, inflight, stable_group, vote
 from flashrecovery.trainer_hooks.env import LaunchEnv, Role
 from flashrecovery.trainer_hooks.gradients import ReducedGradients
 from flashrecovery.trainer_hooks.heartbeat import HeartbeatThread
@@ -373,6 +373,7 @@ class Session:
     def _close(self) -> None:
         self._heartbeat.stop()
         self._member.close()
+        inflight.abandon_left_behind()
 
 
 def init() -> Session:
