@@ -26,7 +26,10 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
+from flashrecovery.agent import netns
+from flashrecovery.agent.testbed import Testbed
 from flashrecovery.chaos import schedule
+from flashrecovery.chaos.network import NetworkFaults
 from flashrecovery.chaos.schedule import (
     IDLE_SPARE_SIGNAL,
     MID_INCIDENT,
@@ -52,7 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--faults", type=int, default=6, help="faults to inject (default 6)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the schedule (default 0)")
     parser.add_argument("--nproc", type=int, default=3, help="ranks (default 3)")
-    parser.add_argument("--spares", type=int, default=2, help="hot spares (default 2)")
+    parser.add_argument(
+        "--spares",
+        type=int,
+        default=None,
+        help="hot spares (default 2; with --nodes, on each node: default 1)",
+    )
     parser.add_argument(
         "--steps",
         type=int,
@@ -77,6 +85,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="decide from two `flashrecovery engine` services sharing a lease; the schedule "
         "may then SIGKILL the deciding one mid-incident",
+    )
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="loopback nodes sharing --nproc ranks, an agent each, plus a spare node; the "
+        "schedule may then lose a node (node_kill, node0_kill)",
+    )
+    parser.add_argument(
+        "--netns",
+        action="store_true",
+        help="with --nodes: each node in a network namespace of its own, the log on a 3-broker "
+        "Kafka cluster of such hosts (root; agent/testbed.py); the schedule may then cut a "
+        "node off, drop one direction of its traffic, flap or degrade its link, or kill the "
+        "events' leader broker",
     )
     parser.add_argument("--heartbeat-interval", type=float, default=1.0, metavar="SEC")
     parser.add_argument("--stall-timeout", type=float, default=5.0, metavar="SEC")
@@ -104,10 +127,16 @@ class Plan:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Plan:
+        if args.spares is None:
+            args.spares = 2 if args.nodes == 1 else 1
         if args.faults < 0 or args.nproc < 2 or args.spares < 0 or args.gap < 3:
             raise ValueError("--faults >= 0, --nproc >= 2, --spares >= 0 and --gap >= 3")
+        if args.nodes < 1 or args.nproc % args.nodes:
+            raise ValueError(f"--nodes {args.nodes}: --nproc {args.nproc} must split evenly")
+        if args.netns and (args.nodes < 2 or args.kafka or args.log):
+            raise ValueError("--netns needs --nodes 2 or more and makes its own Kafka log")
         possible = schedule.available_kinds(
-            args.nproc, args.external_engine, args.kafka, args.spares
+            args.nproc, args.external_engine, args.kafka, args.spares, args.nodes, args.netns
         )
         kinds = args.kinds.split(",") if args.kinds else possible
         for kind in kinds:
@@ -116,14 +145,19 @@ class Plan:
                     f"fault kind {kind!r} is not possible in this job; possible: "
                     + ", ".join(possible)
                 )
-        faults = schedule.draw(args.faults, args.seed, args.nproc, kinds, FIRST_STEP, args.gap)
+        faults = schedule.draw(
+            args.faults, args.seed, args.nproc, kinds, FIRST_STEP, args.gap, args.nodes
+        )
         plan = cls(faults)
         for fault, after in zip(faults, [*faults[1:], None], strict=True):
-            if fault.kind in OUTSIDE_SIGNAL or fault.kind in MID_INCIDENT:
+            # Sent two steps before the next fault at the latest, ready spare or not: a kill
+            # that waited longer would take the next fault's process with it.
+            last = None if after is None else max(after.step - 2, fault.step - 1)
+            if fault.kind in ("node_kill", "node0_kill"):
+                kill = Kill(None, fault.step, node=fault.node, spare_wait_until=last)
+                plan.sent[fault.index] = Sent(kill=kill)
+            elif fault.kind in OUTSIDE_SIGNAL or fault.kind in MID_INCIDENT:
                 sig = OUTSIDE_SIGNAL.get(fault.kind, OUTSIDE_SIGNAL["sigkill"])
-                # Sent two steps before the next fault at the latest, ready spare or not: a
-                # kill that waited longer would take the next fault's process with it.
-                last = None if after is None else max(after.step - 2, fault.step - 1)
                 kill = Kill(fault.rank, fault.step, sig, spare_wait_until=last)
                 plan.sent[fault.index] = Sent(kill=kill)
         return plan
@@ -284,10 +318,13 @@ def _specs(
     chaos_options += ["--output-dir", str(run_dir / "output")]
     if args.external_engine:
         chaos_options.append("--external-engine")
+    nodes = {"nodes": args.nodes}
     job = JobSpec(
         job_id=f"chaos-{stamp}-seed{args.seed}",
         run_dir=run_dir,
         spares=args.spares,
+        spare_nodes=1 if args.nodes > 1 else 0,
+        **nodes,
         min_step_s=args.min_step_s,
         agent_args=tuple(chaos_options),
         fault_plan=",".join(plan.fault_plan()),
@@ -297,6 +334,7 @@ def _specs(
         job_id=f"{job.job_id}-reference",
         run_dir=run_dir / "reference",
         spares=0,
+        **nodes,
         agent_args=(*options, "--final-state", str(run_dir / "reference" / "final")),
         **common,
     )
@@ -317,27 +355,39 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"flashrecovery chaos: error: {exc}", file=sys.stderr)
         return 2
-    run_dir = (args.run_dir or Path("runs") / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run_dir = (args.run_dir or Path("runs") / f"chaos-{stamp}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     console = Console(stderr=args.json)
     broker = KafkaBroker() if args.kafka else None
+    testbed: Testbed | None = None
     try:
         if broker is not None:
             console.print("starting a Kafka broker…")
             broker.start()
-        log_url = (
-            f"kafka://{broker.bootstrap}?timeout_s=30"
-            if broker
-            else args.log or f"sqlite://{run_dir / 'log.db'}"
-        )
+        if args.netns:
+            console.print("making the nodes' networks and a 3-broker Kafka cluster…")
+            testbed = Testbed(args.nodes + 1)  # and the spare node
+        if testbed is not None:
+            log_url = testbed.log_url(f"chaos-{stamp}.")
+        elif broker is not None:
+            log_url = f"kafka://{broker.bootstrap}?timeout_s=30"
+        else:
+            log_url = args.log or f"sqlite://{run_dir / 'log.db'}"
         job, reference = _specs(args, plan, run_dir, log_url)
-        verdict = _run_both(args, plan, job, reference, broker, console)
+        verdict = _run_both(args, plan, job, reference, broker, console, testbed)
     except LogError as exc:
         print(f"flashrecovery chaos: error: {exc}", file=sys.stderr)
         return 2
     finally:
         if broker is not None:
             broker.stop()
+        if testbed is not None:
+            testbed.close()
+        verdict_netns = netns.leftovers() if args.netns else []
+    if args.netns:
+        verdict["checks"]["no_namespace_left"] = not verdict_netns
+        verdict["ok"] = verdict["ok"] and not verdict_netns
     if args.json:
         print(json.dumps(verdict, indent=2, sort_keys=True))
     else:
@@ -352,20 +402,36 @@ def _run_both(
     reference: JobSpec,
     broker: KafkaBroker | None,
     console: Console,
+    testbed: Testbed | None = None,
 ) -> dict[str, Any]:
+    shape = f"{job.nproc} ranks + {job.spares} hot spare(s)"
+    if job.nodes > 1:
+        where = "nodes with networks of their own" if testbed else "loopback nodes"
+        shape = f"{job.nproc} ranks on {job.nodes} {where} + a spare node"
     console.print(
-        f"[bold]flashrecovery chaos[/]: {job.nproc} ranks + {job.spares} hot spare(s), "
-        f"{job.steps} steps, {len(plan.faults)} fault(s), seed {args.seed}\nrun dir {job.run_dir}"
+        f"[bold]flashrecovery chaos[/]: {shape}, {job.steps} steps, {len(plan.faults)} "
+        f"fault(s), seed {args.seed}\nrun dir {job.run_dir}"
     )
     for fault in plan.faults:
         console.print(f"  fault {fault.index}: {fault.kind}, {fault.describe()}")
-    execute(reference, [], console, "reference (fault-free)", args.timeout)
+    network = testbed.network if testbed is not None else None
+    execute(reference, [], console, "reference (fault-free)", args.timeout, network=network)
     engines = Engines(job.log_url, job.job_id, job.run_dir) if args.external_engine else None
     left: list[int] = []
     started = time.time()
 
     def at_end(launched: LaunchedJob, watch: JobWatch) -> None:
+        launched.wait_lost(LEFT_GRACE_S)  # a node cut off ends once it sees it was given up
         left.extend(processes_left(job.log_url, job.job_id, started))
+
+    outside = OutsideFaults(plan, engines, broker)
+    faults_of_network = NetworkFaults(plan.faults, plan.sent, testbed) if testbed else None
+
+    def on_round(launched: LaunchedJob, watch: JobWatch) -> str | None:
+        said = outside(launched, watch)
+        if said is None and faults_of_network is not None:
+            said = faults_of_network(launched, watch)
+        return said
 
     try:
         returncode = execute(
@@ -374,8 +440,9 @@ def _run_both(
             console,
             "chaos",
             args.timeout,
-            on_round=OutsideFaults(plan, engines, broker),
+            on_round=on_round,
             at_end=at_end,
+            network=network,
         )
     finally:
         if engines is not None:

@@ -27,7 +27,17 @@ KINDS: dict[str, str] = {
     "broker_restart": "a rank is SIGKILLed, then the Kafka broker restarts mid-incident",
     "spare_kill": "SIGKILL an idle hot spare (it must be retired and replaced, never used)",
     "spare_stop": "SIGSTOP an idle hot spare (found by its missing heartbeats, then replaced)",
+    # with --nodes N (and --netns for the network's): a whole node, or its link
+    "node_kill": "SIGKILL a node's agent with its processes (its peers' connections close)",
+    "node0_kill": "SIGKILL node 0's agent: the meeting store's host, and the deciding engine's",
+    "partition": "cut a node off the network both ways while its processes run, then heal it",
+    "oneway": "drop one direction of a node's traffic (it hears and is not heard, or the reverse)",
+    "flap": "a node's link down and up, each time for less than the silence limit",
+    "degraded": "5 % of a node's packets dropped at random for a while",
+    "broker_kill": "SIGKILL the Kafka broker leading the job's events (3 brokers, min ISR 2)",
 }
+NODE_LOST = ("node_kill", "node0_kill", "partition", "oneway")  # the node is given up on
+NETWORK = ("partition", "oneway", "flap", "degraded", "broker_kill")  # need --netns
 # Kinds that lose a second member during the recovery: they need a replica left to donate.
 TWO_FAILURES = ("donor", "replacement", "regroup", "group_build")
 OUTSIDE_SIGNAL = {"sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP}
@@ -40,8 +50,10 @@ class PlannedFault:
     index: int
     kind: str
     step: int  # the step the first failure lands at (every member committed step - 1)
-    rank: int  # the rank that fails first
+    rank: int  # the rank that fails first (a node's first rank, for the node kinds)
     second: int | None = None  # the member lost during the recovery, for TWO_FAILURES
+    node: int | None = None  # the node a node kind acts on
+    ranks: tuple[int, ...] = ()  # that node's ranks
 
     @property
     def plan(self) -> list[str]:
@@ -60,24 +72,48 @@ class PlannedFault:
     @property
     def failed_ranks(self) -> list[int]:
         """The ranks it makes fail, in order (one incident each)."""
-        if self.kind in IDLE_SPARE_SIGNAL:
-            return []  # a spare holds no rank: no incident, a retirement
+        if self.kind in IDLE_SPARE_SIGNAL or self.kind in ("flap", "degraded", "broker_kill"):
+            return []  # a spare holds no rank, the others must cost no incident
+        if self.kind in NODE_LOST:
+            return list(self.ranks[:1])  # one incident for the whole node, named by its first
         if self.kind == "replacement":
             return [self.rank, self.rank]
         return [self.rank] if self.second is None else [self.rank, self.second]
 
+    @property
+    def direction(self) -> str:
+        """A one-way fault's lost direction: the node's outgoing traffic or its incoming."""
+        return "out" if self.index % 2 == 0 else "in"
+
     def describe(self) -> str:
         if self.kind in IDLE_SPARE_SIGNAL:
             return f"an idle spare at step {self.step}"
+        if self.kind == "broker_kill":
+            return f"the events' leader broker at step {self.step}"
+        if self.node is not None:
+            direction = f" ({self.direction}going lost)" if self.kind == "oneway" else ""
+            return f"node {self.node}{direction} at step {self.step}"
         if self.kind in ("donor", "regroup", "group_build"):
             return f"rank {self.rank} at step {self.step}, then rank {self.second}"
         return f"rank {self.rank} at step {self.step}"
 
 
-def available_kinds(nproc: int, external_engine: bool, broker: bool, spares: int = 0) -> list[str]:
+def available_kinds(
+    nproc: int,
+    external_engine: bool,
+    broker: bool,
+    spares: int = 0,
+    nodes: int = 1,
+    netns: bool = False,
+) -> list[str]:
     """The kinds this job can take: two failures in one recovery need three ranks (one
-    replica must survive to donate); the spare, engine and broker kinds need those to exist."""
+    replica must survive to donate); the spare, engine and broker kinds need those to exist;
+    the node kinds several nodes, the network's nodes with networks of their own."""
     kinds = ["sigkill", "sigstop", "raise", "stall"]
+    if nodes > 1:
+        kinds += ["node_kill", "node0_kill"]
+    if nodes > 1 and netns:
+        kinds += list(NETWORK)
     if nproc >= 3:
         kinds += TWO_FAILURES
     if spares:
@@ -90,18 +126,37 @@ def available_kinds(nproc: int, external_engine: bool, broker: bool, spares: int
 
 
 def draw(
-    faults: int, seed: int, nproc: int, kinds: list[str], first_step: int, gap: int
+    faults: int,
+    seed: int,
+    nproc: int,
+    kinds: list[str],
+    first_step: int,
+    gap: int,
+    nodes: int = 1,
 ) -> list[PlannedFault]:
     """``faults`` faults at steps first_step, first_step + gap, …; kinds are dealt from a
-    shuffled deck (so a short schedule still covers many kinds), ranks at random."""
+    shuffled deck (so a short schedule still covers many kinds), ranks at random. A node kind
+    takes a node still in the job (never the spare node, which holds the ranks that moved):
+    node 0 for ``node0_kill``, another at random else; a node given up on is not taken again.
+    ValueError when the faults would take more nodes than there are."""
     rng = random.Random(seed)
     deck: list[str] = []
     out = []
+    alive = list(range(nodes))
+    per_node = nproc // nodes
     for index in range(faults):
         if not deck:
             deck = list(kinds)
             rng.shuffle(deck)
         kind = deck.pop()
+        if kind in NODE_LOST or kind in ("flap", "degraded"):
+            node = _node_for(kind, alive, rng)
+            if kind in NODE_LOST:
+                alive.remove(node)
+            ranks = tuple(range(node * per_node, (node + 1) * per_node))
+            step = first_step + index * gap
+            out.append(PlannedFault(index, kind, step, ranks[0], node=node, ranks=ranks))
+            continue
         rank = rng.randrange(nproc)
         others = [r for r in range(nproc) if r != rank]
         second = None
@@ -111,3 +166,14 @@ def draw(
             second = rng.choice(others)
         out.append(PlannedFault(index, kind, first_step + index * gap, rank, second))
     return out
+
+
+def _node_for(kind: str, alive: list[int], rng: random.Random) -> int:
+    if kind == "node0_kill":
+        if 0 not in alive:
+            raise ValueError("node0_kill: node 0 is already given up on by an earlier fault")
+        return 0
+    others = [node for node in alive if node != 0] or alive
+    if not others:
+        raise ValueError(f"{kind}: every node is already given up on; give more --nodes")
+    return rng.choice(others)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from flashrecovery.chaos.schedule import IDLE_SPARE_SIGNAL, PlannedFault
+from flashrecovery.chaos.schedule import IDLE_SPARE_SIGNAL, NETWORK, PlannedFault
 from flashrecovery.connectors.base import LogConnector
 from flashrecovery.demo.summary import incidents, loss_curve, process_history, step_losses
 from flashrecovery.demo.watch import Kill, KillOutcome
@@ -33,6 +33,9 @@ class Sent:
     mid_incident_ts: float | None = None  # when the engine was killed / the broker restarted
     engine_killed: str | None = None  # that engine's id
     spare: tuple[int, int, float] | None = None  # the idle spare signalled: id, pid, when
+    network_ts: float | None = None  # when a network fault began (chaos/network.py)
+    lost_ts: float | None = None  # when the job had given its node up
+    healed_ts: float | None = None  # when the link was healed (or the fault ended)
     notes: list[str] = field(default_factory=list)
 
 
@@ -190,11 +193,17 @@ def judge(
             recovered, said, detection, rto = spare_outcome(log, job_id, action)
             notes += said
             rtos = [] if rto is None else [rto]
+        if action.network_ts is not None and mine:  # from the moment the link failed
+            detection = mine[0]["detected_ts"] - action.network_ts
+            rtos = [
+                None if r["closed_ts"] is None else r["closed_ts"] - action.network_ts for r in mine
+            ]
         # A fault the job never met proves nothing either way: counted apart, not as a miss.
         sent_out = not (
             (fault.kind in IDLE_SPARE_SIGNAL and action.spare is None)
             or (fault.kind in ("engine_kill", "broker_restart") and action.mid_incident_ts is None)
             or (kill is not None and kill.outcome is KillOutcome.MISSED)
+            or (fault.kind in NETWORK and action.network_ts is None)
         )
         rows.append(
             {

@@ -158,7 +158,7 @@ class LaunchedJob:
                         start_new_session=True,
                     )
                 ]
-        self._killed: set[int] = set()  # nodes whose agents a kill_node ended
+        self._killed: set[int] = set()  # nodes killed or cut off: their agents' ends are theirs
         self.started = time.time()
 
     @property
@@ -177,6 +177,19 @@ class LaunchedJob:
         self._killed.add(node)
         self._nodes.signal_node(node, signal.SIGKILL)
         return time.time()
+
+    def lose_node(self, node: int) -> None:
+        """The node is cut off: the job goes on without it, and its agent's exit (it ends once
+        it learns it was given up on) is not the job's."""
+        self._killed.add(node)
+
+    def wait_lost(self, timeout: float) -> bool:
+        """Wait for the agents of the nodes given up on to end; whether they all did."""
+        deadline = time.monotonic() + timeout
+        for node in self._killed:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._agents[node].wait(max(deadline - time.monotonic(), 0.0))
+        return all(self._agents[node].poll() is not None for node in self._killed)
 
     def poll(self) -> int | None:
         """The job's exit code once every agent not killed has ended (the first that failed

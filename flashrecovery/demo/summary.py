@@ -192,6 +192,8 @@ def incidents(log: LogConnector, job_id: str, kills: list[Kill], nodes: int = 1)
                 "replacement": replaced.get(incident.incident_id),
                 "killed_pid": kill.pid if kill is not None else None,
                 "detection_s": _since(kill_ts, incident.detected.ts),
+                "detected_ts": incident.detected.ts,
+                "closed_ts": close.ts if close else None,
                 "rto_s": row["rto_s"],
                 "rto_from_kill_s": _since(kill_ts, close.ts if close else None),
                 "phases_s": row["phases_s"],

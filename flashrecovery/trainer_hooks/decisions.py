@@ -71,11 +71,12 @@ class DecisionFollower:
         with self._changed:
             return {r for g, ranks in self._replaced.items() if g > generation for r in ranks}
 
-    def store_for(self, generation: int) -> str | None:
-        """Where ``generation`` meets, if a plan up to it moved the store (None: it did not)."""
+    def store_for(self, generation: int) -> tuple[int, str] | None:
+        """The last move of the store up to ``generation``: the generation whose plan moved
+        it and where to (None: no plan known here moved it)."""
         with self._changed:
             moved = [g for g in self._stores if g <= generation]
-            return self._stores[max(moved)] if moved else None
+            return (max(moved), self._stores[max(moved)]) if moved else None
 
     def isolated(self, pid: int) -> bool:
         """Whether the engine declared the process failed (it must not rejoin)."""

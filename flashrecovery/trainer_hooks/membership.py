@@ -45,6 +45,7 @@ class Membership:
         # (agent/links.py); its beats go to the agent's socket.
         self.link = AgentLink(env.agent_link)
         self._endpoint = ""  # the store of the generation it is in (``use_store``)
+        self._endpoint_since = env.generation  # the generation whose plan (or launch) named it
         self.use_store(env.launch_store)
         self.host = socket.gethostname()
         self.pid = os.getpid()
@@ -81,9 +82,13 @@ class Membership:
         return groups.connect_store(self._endpoint, self.env.store_prefix)
 
     def enter(self, generation: int) -> None:
-        """Join ``generation``: on the store its plan names, if it moved."""
+        """Join ``generation``: on the store a plan up to it moved the job to, when that plan
+        is newer than what named the store in use (the launch, a spare's assignment)."""
         self.generation = generation
-        self.use_store(self.follower.store_for(generation) or self._endpoint)
+        moved = self.follower.store_for(generation)
+        if moved is not None and moved[0] > self._endpoint_since:
+            self._endpoint_since = moved[0]
+            self.use_store(moved[1])
 
     def close(self) -> None:
         self.follower.stop()
@@ -159,7 +164,9 @@ class Membership:
         assignment = json.loads(node_store.get(key))
         self.rank = int(assignment["rank"])
         self.generation = int(assignment["generation"])
-        self.use_store(assignment.get("store") or self._endpoint)
+        if assignment.get("store"):
+            self._endpoint_since = self.generation
+            self.use_store(assignment["store"])
         # What the script would have had as a rank (one node: the local rank is the rank).
         os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(self.rank)
         self.machine.fire(Trigger.ASSIGN)

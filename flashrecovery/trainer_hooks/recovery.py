@@ -79,8 +79,8 @@ class Recovery:
         while True:
             if member.follower.isolated(member.pid):
                 raise ReplacedError(f"rank {member.rank} was declared failed and replaced")
-            member.enter(generation)
             try:
+                member.enter(generation)  # a store that cannot be reached: another plan comes
                 self._probe(Point.REGROUP, member.rank, self._state.committed_step)
                 # No barrier of all members: forming waits for nobody (groups.py), and the
                 # engine plans the resume once every member regrouped.

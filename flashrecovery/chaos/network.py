@@ -1,0 +1,116 @@
+"""The network's faults of a chaos run, carried out on a testbed's hosts (agent/testbed.py):
+a node cut off both ways or in one direction, then healed once the job has given it up (its
+agent then sees it was declared lost and ends, its processes with it); a link that flaps
+faster than the silence limit; a link that drops 5 % of its packets for a while; the Kafka
+broker leading the job's events SIGKILLed. Each acts once the job runs at its step."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+from flashrecovery.agent.netns import Direction
+from flashrecovery.agent.testbed import Testbed
+from flashrecovery.chaos.schedule import NETWORK, PlannedFault
+from flashrecovery.chaos.verdict import Sent
+from flashrecovery.connectors.kafka import KafkaSettings
+from flashrecovery.demo.job import LaunchedJob
+from flashrecovery.demo.watch import JobWatch
+from flashrecovery.records import Stream
+
+HEAL_AFTER_LOST_S = 1.0  # a node given up on is healed this long after (it sees it, and ends)
+HEAL_AT_LATEST_S = 20.0  # a cut node is healed this long after at the latest
+FLAPS = 4  # down and up this many times
+FLAP_DOWN_S = 0.8  # each time for less than the silence limit (3 heartbeat intervals)
+FLAP_UP_S = 1.2
+DEGRADED_S = 8.0  # a degraded link's length
+DEGRADED_PERCENT = 5
+
+
+@dataclass
+class NetworkFaults:
+    faults: list[PlannedFault]
+    sent: dict[int, Sent]
+    testbed: Testbed
+
+    def __call__(self, job: LaunchedJob, watch: JobWatch) -> str | None:
+        for fault in self.faults:
+            if fault.kind not in NETWORK:
+                continue
+            sent = self.sent.setdefault(fault.index, Sent())
+            if sent.network_ts is None:
+                if watch.committed() < fault.step - 1 or not watch.running:
+                    return None  # in order: a later one waits for this one
+                return self._start(fault, sent, job)
+            if sent.healed_ts is None and self._heal_due(fault, sent, watch):
+                assert fault.node is not None
+                self.testbed.network.heal(self._host(fault))
+                sent.healed_ts = time.time()
+                return f"[green]healed[/] node {fault.node}'s link"
+        return None
+
+    @staticmethod
+    def _host(fault: PlannedFault) -> str:
+        return f"n{fault.node}"
+
+    def _start(self, fault: PlannedFault, sent: Sent, job: LaunchedJob) -> str:
+        network = self.testbed.network
+        sent.network_ts = time.time()
+        if fault.kind == "broker_kill":
+            leader = self._events_leader(job)
+            broker = self.testbed.kafka.brokers[leader - 1]
+            if broker.process is not None:
+                broker.process.send_signal(signal.SIGKILL)
+            sent.notes.append(f"broker {leader} killed")
+            sent.healed_ts = sent.network_ts  # nothing to heal
+            return f"[red]SIGKILL[/] broker {leader}, the events' leader"
+        assert fault.node is not None
+        host = self._host(fault)
+        if fault.kind == "partition":
+            network.cut(host)
+            job.lose_node(fault.node)
+            return f"[red]cut[/] node {fault.node} off"
+        if fault.kind == "oneway":
+            direction = Direction.OUT if fault.direction == "out" else Direction.IN
+            network.drop(host, direction)
+            job.lose_node(fault.node)
+            return f"[red]dropped[/] node {fault.node}'s {fault.direction}going traffic"
+        if fault.kind == "flap":
+            threading.Thread(target=self._flap, args=(host, sent), daemon=True).start()
+            return f"[red]flapping[/] node {fault.node}'s link"
+        network.drop(host, Direction.BOTH, DEGRADED_PERCENT)
+        return f"[red]degraded[/] node {fault.node}'s link ({DEGRADED_PERCENT} % lost)"
+
+    def _flap(self, host: str, sent: Sent) -> None:
+        """Down and up: the fault's own rhythm, not a wait for anything."""
+        for _ in range(FLAPS):
+            self.testbed.network.cut(host)
+            time.sleep(FLAP_DOWN_S)
+            self.testbed.network.heal(host)
+            time.sleep(FLAP_UP_S)
+        sent.healed_ts = time.time()
+
+    def _heal_due(self, fault: PlannedFault, sent: Sent, watch: JobWatch) -> bool:
+        assert sent.network_ts is not None
+        elapsed = time.time() - sent.network_ts
+        if fault.kind == "flap":
+            return False  # its thread heals it
+        if fault.kind == "degraded":
+            return elapsed > DEGRADED_S
+        lost = fault.node is not None and watch.state.node_lost(fault.node)
+        if lost and sent.lost_ts is None:
+            sent.lost_ts = time.time()
+        given_up = sent.lost_ts is not None and time.time() - sent.lost_ts > HEAL_AFTER_LOST_S
+        return given_up or elapsed > HEAL_AT_LATEST_S
+
+    def _events_leader(self, job: LaunchedJob) -> int:
+        settings = KafkaSettings.parse(job.spec.log_url)
+        admin = settings.connect("admin")
+        try:
+            [topic] = admin.describe_topics([settings.topic(Stream.EVENTS)])
+        finally:
+            admin.close()
+        leader: int = topic["partitions"][0]["leader_id"]
+        return leader
