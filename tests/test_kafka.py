@@ -299,7 +299,8 @@ def test_cli_starts_a_background_broker_creates_topics_and_stops_it(tmp_path: Pa
         assert started.returncode == 0, started.stderr
         bootstrap = started.stdout.strip()
         assert cli("broker", "status", *state).stdout.strip() == bootstrap
-        pid = json.loads((tmp_path / "broker.json").read_text())["pid"]
+        [broker] = json.loads((tmp_path / "broker.json").read_text())["brokers"]
+        pid = broker["pid"]
 
         created = cli("topics", "create", "--log", f"kafka://{bootstrap}?topic_prefix=cli.")
         assert created.returncode == 0, created.stderr

@@ -118,7 +118,7 @@ class AgentConfig:
     spare_nodes: int = 0  # whole nodes of hot spares, node ranks nnodes..nnodes+spare_nodes-1
     node_wait_s: float = 30.0  # a lost node's ranks wait this long for capacity
     store_secret: str | None = field(default=None, repr=False)  # FLASHRECOVERY_STORE_PREFIX
-    control_plane: bool = False  # store and engine in `flashrecovery control-plane` at the endpoint
+    control_plane: bool = False  # rendezvous store, preferred engine: `flashrecovery control-plane`
 
     @property
     def multinode(self) -> bool:

@@ -1,10 +1,13 @@
-"""Host a multi-node job's store and engine on a process of their own.
+"""Host a multi-node job's rendezvous store and its preferred engine on a process of their own.
 
 `flashrecovery control-plane --log URL --bind HOST:PORT [--job-id ID]` listens where the agents'
 ``--rdzv-endpoint`` points (they run with ``--control-plane``), waits for node 0's agent to start
-the job, decides for it until it ends, then keeps the store up until the agents have seen the
-end. It needs the job's secret (FLASHRECOVERY_STORE_PREFIX) like every agent. If this process is
-lost, the agents say so in one line and end the job (docs/multinode.md).
+the job, then decides for it until it ends, by the lease in the log like every engine of a
+multi-node job: the agents' engines stand by and leave the lease to it while it lives. The
+ranks never meet on its store (generation 0 meets on node 0's), so its loss costs the job one
+lease: a standby engine on a node takes over from the log within LEASE_TTL_S and the job goes
+on; only agents joining later, which rendezvous here, can no longer join (docs/multinode.md).
+It needs the job's secret (FLASHRECOVERY_STORE_PREFIX) like every agent.
 """
 
 from __future__ import annotations
@@ -18,12 +21,11 @@ import time
 
 from flashrecovery.agent import rendezvous
 from flashrecovery.agent.config import MIN_SECRET, Endpoint, check_shared_log
-from flashrecovery.agent.job import wait_for_agents
+from flashrecovery.agent.job import LEASE_TTL_S
 from flashrecovery.agent.store import JobStore
 from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.errors import ConfigError, LogError
 from flashrecovery.observe.exporter import MetricsServer, add_metrics_port
-from flashrecovery.records import JobOutcome
 from flashrecovery.statemachines.job import JobState
 
 STORE_TIMEOUT = datetime.timedelta(seconds=60)
@@ -68,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         if args.job_id is not None and args.job_id != job_id:
             print(f"flashrecovery control-plane: error: job {job_id!r} is not {args.job_id!r}")
             return 2
-        engine = EngineLoop(args.log, job_id)
+        engine = EngineLoop(args.log, job_id, lease_ttl_s=LEASE_TTL_S)
         metrics = None
         if args.metrics_port is not None:
             metrics = MetricsServer(
@@ -84,10 +86,5 @@ def run(args: argparse.Namespace) -> int:
     except (KeyboardInterrupt, LogError) as exc:
         print(f"flashrecovery control-plane: stopped: {exc!r}", file=sys.stderr)
         return 1
-    status = (
-        JobOutcome.COMPLETED if engine.state.job.state is JobState.COMPLETED else JobOutcome.FAILED
-    )
-    lost = sum(node.lost for node in engine.state.nodes.values())
-    wait_for_agents(store, int(store.keys.add(rendezvous.AGENTS_KEY, 0)) - lost, status)
     print(f"flashrecovery: job {job_id} {engine.state.job.state}", file=sys.stderr)
-    return 0 if status is JobOutcome.COMPLETED else 1
+    return 0 if engine.state.job.state is JobState.COMPLETED else 1

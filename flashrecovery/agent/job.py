@@ -146,21 +146,23 @@ class Agent:
             return 2
         self.job_id, self.node = member.job_id, member.node
         engine = None
-        if config.multinode and not config.external_engine and not config.control_plane:
-            # every node's engine stands by; the lease in the log says which one decides
+        if config.multinode and not config.external_engine:
+            # every node's engine stands by; the lease in the log says which one decides (the
+            # control plane's first, when there is one)
             engine = EngineLoop(
                 self.log_url,
                 self.job_id,
                 poll_s=ENGINE_POLL_S,
                 lease_ttl_s=LEASE_TTL_S,
                 node=member.node,
+                claim_after_s=LEASE_TTL_S if config.control_plane else 0.0,
             ).start()
         elif config.hosts_store and not config.external_engine:
             engine = EngineLoop(self.log_url, self.job_id, poll_s=ENGINE_POLL_S).start()
         self._engine = engine
         if config.multinode:
             self._presence = Presence(member.node, os.getpid(), member.own.host, self._agent_exited)
-        meeting = Meeting(member.own, member.store)
+        meeting = Meeting(member.own, member.meeting)
         # The processes talk to their agent, not to the log: their beats in one record, their
         # other records in batches, the decisions relayed. Only the agent writes, so a rank
         # stopped (SIGSTOP) in the middle of a write cannot hold the embedded log's lock and
@@ -223,10 +225,10 @@ class Agent:
                     self._presence.close()
                 # Whoever hosts the meeting store ends the job (node 0's, unless it was lost):
                 # the others read the end from it, then it seals the log.
-                ends_job = meeting.here and not config.control_plane
-                if ends_job:
+                # A node given up on never does, though it may think it hosts the meeting:
+                # the plan that moved it away may not have reached it.
+                if meeting.here and self.node not in actions.lost_nodes:
                     wait_for_agents(member.own, self._other_agents(actions), outcome.status)
-                if ends_job or (config.control_plane and config.starts_job):
                     self._finish_report(outcome)
                 if engine is not None:
                     engine.stop()
@@ -238,7 +240,7 @@ class Agent:
             print(f"flashrecovery: job {self.job_id} failed: {outcome.detail}", file=sys.stderr)
         return outcome.exit_code
 
-    def _start_job(self) -> None:
+    def _start_job(self, meeting: str) -> None:
         config = self.config
         self._report(
             JobStarted(
@@ -254,7 +256,7 @@ class Agent:
                 nodes=config.nnodes,
                 node_wait_s=config.node_wait_s,
                 shards=config.shards,
-                store=str(config.rdzv_endpoint) if config.multinode else None,
+                store=meeting if config.multinode else None,
             )
         )
 
@@ -382,9 +384,7 @@ class Agent:
                 self._watch_peers()
                 if supervisor.all_finished() and (end is None or end.passed.is_set()):
                     return self._completed(meeting)
-                # With a control plane no agent holds a store of the job: its loss ends it.
-                patience = 0.0 if self.config.control_plane else STORE_AWAY_S
-                if end is not None and end.away_s() > patience:
+                if end is not None and end.away_s() > STORE_AWAY_S:
                     return Outcome(
                         JobOutcome.FAILED,
                         1,

@@ -46,8 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--control-plane",
         action="store_true",
-        help="the store and the engine run in `flashrecovery control-plane` at --rdzv-endpoint; "
-        "node 0's agent only starts the job",
+        help="the rendezvous store and the preferred engine run in `flashrecovery "
+        "control-plane` at --rdzv-endpoint; the agents' engines stand by, and its loss "
+        "costs one lease handover",
     )
     parser.add_argument(
         "--spare-nodes",

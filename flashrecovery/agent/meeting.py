@@ -1,12 +1,13 @@
 """Where the job's current generation meets: the store its plan named.
 
-Every agent of a multi-node job hosts a store of its own (agent/store.py); generation 0 meets on
-node 0's, at the rendezvous endpoint, and a plan that follows the loss of the node holding the
-meeting store names another (``RegroupPlanned.store``, chosen by the engine). The vote, the
-barriers and the groups' rendezvous of a generation live there and nowhere else, so nothing a
-later generation needs is lost with that node: each generation's keys are its own. An agent
-follows the plans to know where its new processes meet, where to look for the end of the job,
-and whether it is the one that keeps the meeting store up to the end and seals the log.
+Every agent of a multi-node job hosts a store of its own (agent/store.py); generation 0 meets
+on node 0's (at the rendezvous endpoint, unless a control plane holds that), and a plan that
+follows the loss of the node holding the meeting store names another (``RegroupPlanned.store``,
+chosen by the engine). The vote, the barriers and the groups' rendezvous of a generation live
+there and nowhere else, so nothing a later generation needs is lost with that node: each
+generation's keys are its own. An agent follows the plans to know where its new processes
+meet, where to look for the end of the job, and whether it is the one that keeps the meeting
+store up to the end and seals the log.
 
 The end is looked for by a thread of its own (``EndWatch``): a meeting store on a node just
 lost answers nothing for seconds, and the agent's decisions must never wait for it.
@@ -31,9 +32,9 @@ LOOK_S = 0.2  # how often the end is looked for
 
 
 class Meeting:
-    def __init__(self, own: JobStore, launch: JobStore) -> None:
+    def __init__(self, own: JobStore, first: str) -> None:
         self._own = own
-        self.endpoint = launch.endpoint
+        self.endpoint = first  # generation 0's: node 0's store
 
     @property
     def here(self) -> bool:

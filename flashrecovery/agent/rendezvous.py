@@ -6,8 +6,11 @@ own (``--node-rank K``, refused if another agent holds it) or the lowest free on
 Node ranks below ``--nnodes`` train (ranks laid out node by node, as torchrun does); the others
 are spare nodes, each keeping ``--nproc-per-node`` hot spares for the whole job. Every other
 agent also hosts a store of its own on its node's address, where its spares wait for their
-rank and where a later generation may meet (agent/meeting.py). A single-node job is node 0 with
-a store of its own on a free loopback port, as it always was.
+rank and where a later generation may meet (agent/meeting.py). With a control plane
+(``--control-plane``) the endpoint's store is the control plane's and node 0's agent hosts one
+of its own like the others; generation 0 meets on node 0's either way (MEETING_KEY), so the
+control plane holds nothing the ranks need. A single-node job is node 0 with a store of its own
+on a free loopback port, as it always was.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ MAX_NODES = 4096  # node ranks an `auto` agent tries
 
 # Store keys (under the job's secret prefix, like every key).
 JOB_KEY = "rdzv/job"  # the job id, once node 0 has started the job
+MEETING_KEY = "rdzv/meeting"  # where generation 0 meets: the store node 0's agent hosts
 AGENTS_KEY = "rdzv/agents"  # agents that joined
 AGENTS_DONE_KEY = "rdzv/agents-done"  # agents that saw the job complete
 SPARE_IDS = 100_000  # node k's spares are numbered from k * SPARE_IDS: unique job-wide
@@ -37,8 +41,9 @@ SPARE_IDS = 100_000  # node k's spares are numbered from k * SPARE_IDS: unique j
 class Membership:
     """One agent's place in the job: the rendezvous store (node 0's) and its own."""
 
-    store: JobStore  # where generation 0 meets (the rendezvous endpoint's)
-    own: JobStore  # the store this agent hosts (the same one on node 0)
+    store: JobStore  # the rendezvous endpoint's: node 0's own, or a control plane's
+    own: JobStore  # the store this agent hosts (the same one on node 0 without a control plane)
+    meeting: str  # where generation 0 meets: node 0's own store
     job_id: str
     node: int
     ranks: list[int]  # the global ranks it starts
@@ -51,9 +56,10 @@ class Membership:
         return self.node * SPARE_IDS + self._spares_made - 1
 
 
-def join(config: AgentConfig, start_job: Callable[[], None]) -> Membership:
+def join(config: AgentConfig, start_job: Callable[[str], None]) -> Membership:
     """Open or reach the job's store and take this agent's node; ``start_job`` (node 0's
-    agent) appends JobStarted before any other node can see the job."""
+    agent) appends JobStarted, naming where generation 0 meets, before any other node can see
+    the job."""
     endpoint = config.rdzv_endpoint
     if endpoint is None:
         store = own = JobStore.open(STORE_TIMEOUT)
@@ -68,12 +74,14 @@ def join(config: AgentConfig, start_job: Callable[[], None]) -> Membership:
         own = JobStore.open(STORE_TIMEOUT, here, 0, config.store_secret)
     if config.starts_job:
         assert config.job_id is not None
-        start_job()
+        start_job(own.endpoint)
+        store.keys.set(MEETING_KEY, own.endpoint)
         store.keys.set(JOB_KEY, config.job_id)
-        job_id = config.job_id
+        job_id, meeting = config.job_id, own.endpoint
     else:
         try:
             job_id = store.keys.get(JOB_KEY).decode()
+            meeting = store.keys.get(MEETING_KEY).decode()
         except RuntimeError:
             raise ConfigError(
                 f"the store at {endpoint} answered but started no job within {JOIN_TIMEOUT} "
@@ -85,8 +93,8 @@ def join(config: AgentConfig, start_job: Callable[[], None]) -> Membership:
     store.keys.add(AGENTS_KEY, 1)
     if node < config.nnodes:
         ranks = list(range(node * config.nproc, (node + 1) * config.nproc))
-        return Membership(store, own, job_id, node, ranks, config.spares)
-    return Membership(store, own, job_id, node, [], config.nproc)  # a spare node
+        return Membership(store, own, meeting, job_id, node, ranks, config.spares)
+    return Membership(store, own, meeting, job_id, node, [], config.nproc)  # a spare node
 
 
 def _claim(store: JobStore, wanted: int | None) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import time
@@ -29,7 +30,7 @@ from rich.table import Table
 from flashrecovery.agent import netns
 from flashrecovery.agent.testbed import Testbed
 from flashrecovery.chaos import schedule
-from flashrecovery.chaos.network import NetworkFaults
+from flashrecovery.chaos.network import LASTS_S, NetworkFaults
 from flashrecovery.chaos.schedule import (
     IDLE_SPARE_SIGNAL,
     MID_INCIDENT,
@@ -131,6 +132,8 @@ class Plan:
             args.spares = 2 if args.nodes == 1 else 1
         if args.faults < 0 or args.nproc < 2 or args.spares < 0 or args.gap < 3:
             raise ValueError("--faults >= 0, --nproc >= 2, --spares >= 0 and --gap >= 3")
+        if args.min_step_s <= 0:
+            raise ValueError(f"--min-step-s {args.min_step_s}: must be > 0 (it paces the faults)")
         if args.nodes < 1 or args.nproc % args.nodes:
             raise ValueError(f"--nodes {args.nodes}: --nproc {args.nproc} must split evenly")
         if args.netns and (args.nodes < 2 or args.kafka or args.log):
@@ -302,7 +305,9 @@ def _specs(
 ) -> tuple[JobSpec, JobSpec]:
     """The chaos job and its fault-free reference: same world, seed and steps."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    steps = args.steps or plan.last_step() + args.gap
+    # Network faults hold a link for seconds each, one after another: the run lasts that long too.
+    held_s = sum(LASTS_S[f.kind] for f in plan.faults if f.kind in LASTS_S)
+    steps = args.steps or plan.last_step() + args.gap + math.ceil(held_s / args.min_step_s)
     script = args.script.resolve() if args.script else None
     common: dict[str, Any] = {
         "log_url": log_url,

@@ -2,7 +2,8 @@
 a node cut off both ways or in one direction, then healed once the job has given it up (its
 agent then sees it was declared lost and ends, its processes with it); a link that flaps
 faster than the silence limit; a link that drops 5 % of its packets for a while; the Kafka
-broker leading the job's events SIGKILLed. Each acts once the job runs at its step."""
+broker leading the job's events SIGKILLed. Each acts once the job runs at its step and the
+network fault before it is over (two on one link at once would undo each other's rules)."""
 
 from __future__ import annotations
 
@@ -22,11 +23,20 @@ from flashrecovery.records import Stream
 
 HEAL_AFTER_LOST_S = 1.0  # a node given up on is healed this long after (it sees it, and ends)
 HEAL_AT_LATEST_S = 20.0  # a cut node is healed this long after at the latest
-FLAPS = 4  # down and up this many times
-FLAP_DOWN_S = 0.8  # each time for less than the silence limit (3 heartbeat intervals)
-FLAP_UP_S = 1.2
-DEGRADED_S = 8.0  # a degraded link's length
+FLAPS = 3  # down and up this many times
+FLAP_DOWN_S = 0.6  # each time for less than the silence limit (3 heartbeat intervals)
+FLAP_UP_S = 0.6
+DEGRADED_S = 4.0  # a degraded link's length
 DEGRADED_PERCENT = 5
+CUT_TYPICAL_S = 8.0  # a cut node: given up after its silence limit, healed a second later, margin
+# How long each kind holds its link as a rule: what a run must last beyond its steps' pace.
+LASTS_S = {
+    "partition": CUT_TYPICAL_S,
+    "oneway": CUT_TYPICAL_S,
+    "flap": FLAPS * (FLAP_DOWN_S + FLAP_UP_S),
+    "degraded": DEGRADED_S,
+    "broker_kill": 0.0,
+}
 
 
 @dataclass
@@ -43,6 +53,10 @@ class NetworkFaults:
             if sent.network_ts is None:
                 if watch.committed() < fault.step - 1 or not watch.running:
                     return None  # in order: a later one waits for this one
+                if any(
+                    s.network_ts is not None and s.healed_ts is None for s in self._earlier(fault)
+                ):
+                    return None  # the one before still holds a link
                 return self._start(fault, sent, job)
             if sent.healed_ts is None and self._heal_due(fault, sent, watch):
                 assert fault.node is not None
@@ -50,6 +64,13 @@ class NetworkFaults:
                 sent.healed_ts = time.time()
                 return f"[green]healed[/] node {fault.node}'s link"
         return None
+
+    def _earlier(self, fault: PlannedFault) -> list[Sent]:
+        return [
+            self.sent[f.index]
+            for f in self.faults
+            if f.index < fault.index and f.kind in NETWORK and f.index in self.sent
+        ]
 
     @staticmethod
     def _host(fault: PlannedFault) -> str:
@@ -76,7 +97,7 @@ class NetworkFaults:
             direction = Direction.OUT if fault.direction == "out" else Direction.IN
             network.drop(host, direction)
             job.lose_node(fault.node)
-            return f"[red]dropped[/] node {fault.node}'s {fault.direction}going traffic"
+            return f"[red]dropped[/] node {fault.node}'s {fault.traffic}"
         if fault.kind == "flap":
             threading.Thread(target=self._flap, args=(host, sent), daemon=True).start()
             return f"[red]flapping[/] node {fault.node}'s link"

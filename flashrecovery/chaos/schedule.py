@@ -85,13 +85,18 @@ class PlannedFault:
         """A one-way fault's lost direction: the node's outgoing traffic or its incoming."""
         return "out" if self.index % 2 == 0 else "in"
 
+    @property
+    def traffic(self) -> str:
+        """The traffic a one-way fault loses, in words."""
+        return "outgoing traffic" if self.direction == "out" else "incoming traffic"
+
     def describe(self) -> str:
         if self.kind in IDLE_SPARE_SIGNAL:
             return f"an idle spare at step {self.step}"
         if self.kind == "broker_kill":
             return f"the events' leader broker at step {self.step}"
         if self.node is not None:
-            direction = f" ({self.direction}going lost)" if self.kind == "oneway" else ""
+            direction = f" ({self.traffic} lost)" if self.kind == "oneway" else ""
             return f"node {self.node}{direction} at step {self.step}"
         if self.kind in ("donor", "regroup", "group_build"):
             return f"rank {self.rank} at step {self.step}, then rank {self.second}"

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from flashrecovery.chaos.schedule import IDLE_SPARE_SIGNAL, NETWORK, PlannedFault
+from flashrecovery.chaos.schedule import IDLE_SPARE_SIGNAL, NETWORK, NODE_LOST, PlannedFault
 from flashrecovery.connectors.base import LogConnector
 from flashrecovery.demo.summary import incidents, loss_curve, process_history, step_losses
 from flashrecovery.demo.watch import Kill, KillOutcome
@@ -133,6 +133,14 @@ def spare_outcome(
     return False, [f"spare {spare_id} was not retired and replaced"], None, None
 
 
+def _caused_by(fault: PlannedFault, rank: int, row: dict[str, Any]) -> bool:
+    """A lost node's incident by the node's number (ranks may have moved onto it since the plan
+    was drawn); any other by its rank."""
+    if fault.kind in NODE_LOST:
+        return bool(row["failed_node"] == fault.node)
+    return bool(row["failed_rank"] == rank)
+
+
 def judge(
     log: LogConnector,
     job_id: str,
@@ -160,7 +168,7 @@ def judge(
     for fault in faults:
         mine = [signalled[fault.index]] if fault.index in signalled else []
         for rank in fault.failed_ranks[len(mine) :]:
-            match = next((r for r in unclaimed if r["failed_rank"] == rank), None)
+            match = next((r for r in unclaimed if _caused_by(fault, rank, r)), None)
             if match is not None:
                 unclaimed.remove(match)
                 mine.append(match)

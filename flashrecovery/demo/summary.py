@@ -186,6 +186,7 @@ def incidents(log: LogConnector, job_id: str, kills: list[Kill], nodes: int = 1)
                 "incident_id": incident.incident_id,
                 "generation": incident.generation,  # the one that recovered from it
                 "failed_rank": incident.failed_rank,
+                "failed_node": incident.failed_node,
                 "failed": incident.what_failed,
                 "reason": incident.reason,
                 "state": row["state"],

@@ -54,6 +54,7 @@ class EngineLoop:
         lease_ttl_s: float | None = None,
         engine_id: str | None = None,
         node: int | None = None,
+        claim_after_s: float = 0.0,
     ) -> None:
         self.log = open_log(log_or_url) if isinstance(log_or_url, str) else log_or_url
         self._owns_log = isinstance(log_or_url, str)
@@ -65,6 +66,9 @@ class EngineLoop:
         self.engine_id = engine_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.leases = LeaseBook()
         self.node = node  # whose agent runs this engine (named in its leases)
+        # A vacant lease is asked for only this long after the start: a preferred engine (a
+        # control plane's) gets it first; the lease it renews keeps this one standing by.
+        self._claim_from = clock() + claim_after_s
         self._leading = False
         self._due: list[Decision] = []  # decided, not yet written (a standby keeps them)
         self._written: set[str] = set()
@@ -145,7 +149,7 @@ class EngineLoop:
             and current is not None
             and current.expires_ts - now < self.lease_ttl_s * 2 / 3
         )
-        if holder is None or running_low:
+        if (holder is None and now >= self._claim_from) or running_low:
             self.log.append(
                 Stream.EVENTS,
                 EngineLease(

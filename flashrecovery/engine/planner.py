@@ -10,9 +10,11 @@ from flashrecovery.engine.state import EngineState
 FRESH_SPARE_INTERVALS = 2.0  # a spare not heard from for this many heartbeats is not handed a rank
 
 
-def choose_spares(state: EngineState, count: int, now: float) -> list[int]:
-    """Up to ``count`` ready spares, from the node with the most of them first (the ranks of a
-    lost node then land together), the lowest ids there (oldest, so warmed up longest). A spare
+def choose_spares(state: EngineState, ranks: list[int], now: float) -> list[int]:
+    """Up to one ready spare per rank of ``ranks``: first from the nodes holding the fewest of
+    the job's other ranks (a spare node before a training one: one node's later loss then takes
+    as few replicas as it can), then from the node with the most ready spares (the ranks of a
+    lost node land together), the lowest ids there (oldest, so warmed up longest). A spare
     whose last heartbeat is older than FRESH_SPARE_INTERVALS at ``now`` (the deciding record's
     time) is passed over: it may be stopped, and its silence is not yet long enough to retire
     it; a fresh process is the safer replacement."""
@@ -24,8 +26,10 @@ def choose_spares(state: EngineState, count: int, now: float) -> list[int]:
         if s.last_heartbeat_ts is None or now - s.last_heartbeat_ts <= stale_after
     ]
     per_node = Counter(s.node for s in ready)
-    ready.sort(key=lambda s: (-per_node[s.node], s.node, s.spare_id))
-    return [s.spare_id for s in ready[:count]]
+    placed = set(ranks)
+    held = {node: len(state.node_ranks.get(node, set()) - placed) for node in per_node}
+    ready.sort(key=lambda s: (held[s.node], -per_node[s.node], s.node, s.spare_id))
+    return [s.spare_id for s in ready[: len(ranks)]]
 
 
 @dataclass(frozen=True)

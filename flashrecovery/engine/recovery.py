@@ -202,7 +202,7 @@ def place(ctx: Context, ranks: list[int], incident_id: str) -> None:
     """Choose each rank's replacement: a ready spare of any node, else a fresh process on the
     rank's own node if that node lives; ranks with neither wait for a node (AwaitNode)."""
     state = ctx.state
-    spares = planner.choose_spares(state, len(ranks), ctx.record.ts)
+    spares = planner.choose_spares(state, ranks, ctx.record.ts)
     homeless = [
         rank
         for rank, spare_id in zip(ranks, [*spares, *[None] * len(ranks)], strict=False)

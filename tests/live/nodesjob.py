@@ -2,8 +2,8 @@
 process group), real signals to a rank or to a whole node, an sqlite log in tmp_path.
 
 ``run_nodes`` follows the job's log and runs the scenario's steps as events arrive (each may
-signal a rank, a node, or start a node); it ends when node 0's agent exits, ends whatever agent
-is left, and checks that no process of the job is left.
+signal a rank, a node, or start a node); it ends when every agent has exited (or at its
+deadline), ends whatever is left, and checks that no process of the job is left.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def run_nodes(
     try:
         log = _opened(nodes, deadline)
         known, steps, position = Processes(), list(scenario or []), 0
-        while nodes.wait(0, 0) is None and time.monotonic() < deadline:
+        while time.monotonic() < deadline and any(nodes.wait(n, 0) is None for n in nodes.agents):
             for entry in log.follow(Stream.EVENTS, nodes.job_id, position, 0.2):
                 position = entry.position + 1
                 record = entry.record
