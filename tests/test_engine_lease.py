@@ -5,7 +5,7 @@ from __future__ import annotations
 from flashrecovery.connectors.memory import MemoryLog
 from flashrecovery.engine.lease import LeaseBook
 from flashrecovery.engine.loop import EngineLoop
-from flashrecovery.records import Decision, EngineLease, Envelope, Stream
+from flashrecovery.records import AgentExited, Decision, EngineLease, Envelope, NodeMissed, Stream
 from flashrecovery.replay.replayer import replay_job
 from flashrecovery.testing.simworld import SimulatedWorld, scripted_failure
 
@@ -97,3 +97,31 @@ def test_standby_takes_over_mid_incident_without_duplicates() -> None:
     assert len(ids) == len(set(ids))
     assert essentials(log) == essentials(reference)
     assert replay_job(log, JOB).ok
+
+
+def node_lease(engine: str, node: int, ts: float) -> EngineLease:
+    return lease(engine, ts).model_copy(update={"node": node})
+
+
+def test_a_node_given_up_loses_its_lease_and_is_never_granted_one_again() -> None:
+    """Given up by its silence (NodeMissed) or its agent's exit: the lease held there ends at
+    once, and whatever that node's engine appends once its link heals is refused."""
+    for given_up in (
+        NodeMissed(job_id=JOB, generation=0, source="detector", node=1, last_seen_ts=9, silent_s=3),
+        AgentExited(job_id=JOB, generation=0, source="agent:0", node=1, pid=7, observer=0),
+    ):
+        book = LeaseBook()
+        assert book.fold(node_lease("on-1", 1, 10.0))
+        book.fold(given_up)
+        assert book.holder(10.1) is None
+        assert not book.fold(node_lease("on-1", 1, 10.2))
+        assert book.fold(node_lease("on-0", 0, 10.3))
+
+
+def test_a_node_given_up_cannot_give_up_the_node_holding_the_lease() -> None:
+    """A node cut off sees all its peers go: once it is given up, its word on them is void."""
+    book = LeaseBook()
+    assert book.fold(node_lease("on-0", 0, 10.0))
+    book.fold(AgentExited(job_id=JOB, generation=0, source="agent:0", node=2, pid=8, observer=0))
+    book.fold(AgentExited(job_id=JOB, generation=0, source="agent:2", node=0, pid=6, observer=2))
+    assert book.holder(10.1) == "on-0"

@@ -189,8 +189,10 @@ def _agent_exited(ctx: Context, record: AgentExited) -> None:
     view = ctx.state.nodes.get(record.node)
     if view is None:
         raise Rejected(f"node {record.node} never joined")
-    if view.pid != record.pid or view.lost:
-        ctx.state.fenced += 1  # an earlier agent of that node, or a node given up already
+    if view.pid != record.pid or view.lost or ctx.state.node_lost(record.observer):
+        # an earlier agent of that node, a node given up already, or an observer given up:
+        # a node cut off sees every peer gone, and must not take them down with it
+        ctx.state.fenced += 1
         return
     reason = f"node {record.node} lost: its agent exited (node {record.observer} saw it go)"
     recovery.fail_node(ctx, record.node, record.ts, reason)

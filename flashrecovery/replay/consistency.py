@@ -1,12 +1,14 @@
 """What must hold over a whole log however the network failed: exactly one engine decides at a
-time, and exactly one generation commits each step.
+time, exactly one generation commits each step, and nothing a node writes once it is given up
+moves the job.
 
 A network cut can leave an old engine or an old generation's ranks running while the rest of the
 job moves on (docs/multinode.md, "The network"). Fencing must keep them from acting, and the log
 shows whether it did: every decision was written by an engine that held the lease (the engine
 whose log handle wrote it, named by the writer of its hash-chain link; a job with no lease at all
-has its one engine), and no step was committed by two generations, unless a fallback to a
-checkpoint rolled the job back past it in between.
+has its one engine), no step was committed by two generations, unless a fallback to a
+checkpoint rolled the job back past it in between, and every record written through a lost
+node's log handle after it was given up was fenced or rejected by the engine.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from collections.abc import Iterable
 
 from flashrecovery.connectors.base import Entry
 from flashrecovery.engine.lease import LeaseBook
-from flashrecovery.records import EngineLease, FallbackToCheckpoint, StepCompleted
+from flashrecovery.engine.state import EngineState
+from flashrecovery.records import EngineLease, FallbackToCheckpoint, NodeJoined, StepCompleted
 
 
 def _handle(entry: Entry) -> str | None:
@@ -69,3 +72,37 @@ def steps_committed_twice(events: Iterable[Entry], decisions: Iterable[Entry]) -
             if not rolled_back:
                 problems.append(f"step {step} committed in generations {earlier} and {later}")
     return problems
+
+
+class LostNodeWrites:
+    """Fed each event around its replay (``before``, then ``after`` the engine ingested it):
+    collects what a node's log handle wrote after the node was given up and the engine believed
+    (neither fenced nor rejected). Leases are the lease book's to refuse (engine/lease.py)."""
+
+    def __init__(self) -> None:
+        self._node_of: dict[str, int] = {}  # log handle -> the node whose agent writes with it
+        self._suspect: tuple[int, int] | None = None  # (node, fenced + rejected) before ingest
+        self.believed: list[str] = []
+
+    def before(self, entry: Entry, state: EngineState) -> None:
+        writer = _handle(entry)
+        if isinstance(entry.record, NodeJoined) and writer is not None:
+            self._node_of.setdefault(writer, entry.record.node)
+        node = self._node_of.get(writer) if writer is not None else None
+        ignored = isinstance(entry.record, EngineLease) or entry.record is None
+        lost = node is not None and state.node_lost(node) and not ignored
+        self._suspect = (node, _dropped(state)) if lost and node is not None else None
+
+    def after(self, entry: Entry, state: EngineState) -> None:
+        if self._suspect is None:
+            return
+        node, dropped = self._suspect
+        if _dropped(state) == dropped and entry.record is not None:
+            self.believed.append(
+                f"{entry.record.type} at events position {entry.position}, from node {node} "
+                "after it was given up"
+            )
+
+
+def _dropped(state: EngineState) -> int:
+    return state.fenced + state.rejected.total()

@@ -44,10 +44,16 @@ class ReplayReport:
     # What must hold over the whole log whatever the network did (replay/consistency.py)
     unleased_deciders: list[str] = field(default_factory=list)
     double_commits: list[str] = field(default_factory=list)
+    believed_from_lost_nodes: list[str] = field(default_factory=list)
+
+    @property
+    def consistent(self) -> bool:
+        """What must hold whatever the network did (replay/consistency.py)."""
+        return not (self.unleased_deciders or self.double_commits or self.believed_from_lost_nodes)
 
     @property
     def ok(self) -> bool:
-        return self.divergence is None and not self.unleased_deciders and not self.double_commits
+        return self.divergence is None and self.consistent
 
     def incidents(self) -> list[dict[str, Any]]:
         closed = {d.incident_id: d for d in self.recorded_closures if isinstance(d, IncidentClosed)}
@@ -88,6 +94,7 @@ class ReplayReport:
             "pending": self.pending,
             "unleased_deciders": self.unleased_deciders,
             "double_commits": self.double_commits,
+            "believed_from_lost_nodes": self.believed_from_lost_nodes,
             "job_state": self.state.job.state,
             "verdict": self.state.verdict,
             "generation": self.state.generation,
@@ -117,9 +124,13 @@ def replay_job(log: LogConnector, job_id: str, until: int | None = None) -> Repl
     events = [e for e in log.read(Stream.EVENTS, job_id) if until is None or e.position <= until]
     report.unleased_deciders = consistency.deciders_without_lease(events, decisions)
     report.double_commits = consistency.steps_committed_twice(events, decisions)
+    lost_writes = consistency.LostNodeWrites()
+    report.believed_from_lost_nodes = lost_writes.believed
     for entry in events:
         report.events += 1
+        lost_writes.before(entry, report.state)
         replayed = ingest(report.state, entry)
+        lost_writes.after(entry, report.state)
         expected = recorded.pop(entry.position, [])
         if not expected and replayed and entry.position > last_recorded:
             report.pending.extend(d.model_dump(mode="json") for d in replayed)

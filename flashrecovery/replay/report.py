@@ -36,6 +36,8 @@ def print_replay(report: ReplayReport, console: Console | None = None) -> None:
         console.print(f"decided without the lease: {problem}", markup=False)
     for problem in report.double_commits:
         console.print(f"two generations committed a step: {problem}", markup=False)
+    for problem in report.believed_from_lost_nodes:
+        console.print(f"believed from a node given up: {problem}", markup=False)
     if report.state.verdict is not None:
         console.print(f"the engine failed the job: {report.state.verdict}", markup=False)
     if report.pending:
