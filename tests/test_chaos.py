@@ -14,7 +14,7 @@ import pytest
 from factories import JOB, T0, TYPES_BY_NAME, make
 
 from flashrecovery.chaos.cli import Plan, add_arguments
-from flashrecovery.chaos.schedule import TWO_FAILURES, available_kinds, draw
+from flashrecovery.chaos.schedule import NODE_LOST, TWO_FAILURES, available_kinds, draw
 from flashrecovery.chaos.verdict import Sent, judge, spare_outcome
 from flashrecovery.connectors.memory import MemoryLog
 from flashrecovery.records import Stream
@@ -69,6 +69,20 @@ def test_two_ranks_take_only_single_failures() -> None:
     assert not set(TWO_FAILURES) & set(available_kinds(2, False, False))
     assert "engine_kill" not in available_kinds(3, False, False)
     assert "spare_kill" not in available_kinds(3, False, False, spares=0)
+
+
+def test_node_faults_take_nodes_still_in_the_job_node_0_once() -> None:
+    """Node 0's kinds act on node 0 once; a node given up on is never taken again; a kind
+    no node can take any more is passed over; more losses than nodes is refused up front."""
+    kinds = ["node0_kill", "node0_partition", "partition", "flap"]
+    faults = draw(6, 5, 4, kinds, first_step=4, gap=8, nodes=4)
+    lost = [f.node for f in faults if f.kind in NODE_LOST]
+    assert len(lost) == len(set(lost)) and lost.count(0) == 1  # each node lost once at most
+    for fault in faults:  # and nothing acts on a node after it was lost
+        assert fault.node not in [f.node for f in faults[: fault.index] if f.kind in NODE_LOST]
+    assert {"partition", "flap"} <= {f.kind for f in faults}
+    with pytest.raises(ValueError, match="take more nodes than the job has"):
+        draw(4, 3, 3, ["partition", "node0_kill"], first_step=4, gap=8, nodes=3)
 
 
 def test_an_idle_spare_fault_fails_no_rank_and_plans_nothing_inside() -> None:

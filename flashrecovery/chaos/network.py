@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from flashrecovery.agent.netns import Direction
 from flashrecovery.agent.testbed import Testbed
-from flashrecovery.chaos.schedule import NETWORK, PlannedFault
+from flashrecovery.chaos.schedule import CUT, NETWORK, PlannedFault
 from flashrecovery.chaos.verdict import Sent
 from flashrecovery.connectors.kafka import KafkaSettings
 from flashrecovery.demo.job import LaunchedJob
@@ -32,6 +32,7 @@ CUT_TYPICAL_S = 8.0  # a cut node: given up after its silence limit, healed a se
 # How long each kind holds its link as a rule: what a run must last beyond its steps' pace.
 LASTS_S = {
     "partition": CUT_TYPICAL_S,
+    "node0_partition": CUT_TYPICAL_S,
     "oneway": CUT_TYPICAL_S,
     "flap": FLAPS * (FLAP_DOWN_S + FLAP_UP_S),
     "degraded": DEGRADED_S,
@@ -89,7 +90,7 @@ class NetworkFaults:
             return f"[red]SIGKILL[/] broker {leader}, the events' leader"
         assert fault.node is not None
         host = self._host(fault)
-        if fault.kind == "partition":
+        if fault.kind in CUT:
             network.cut(host)
             job.lose_node(fault.node)
             return f"[red]cut[/] node {fault.node} off"

@@ -31,13 +31,15 @@ KINDS: dict[str, str] = {
     "node_kill": "SIGKILL a node's agent with its processes (its peers' connections close)",
     "node0_kill": "SIGKILL node 0's agent: the meeting store's host, and the deciding engine's",
     "partition": "cut a node off the network both ways while its processes run, then heal it",
+    "node0_partition": "cut node 0 off both ways: the meeting store's and the engine's host",
     "oneway": "drop one direction of a node's traffic (it hears and is not heard, or the reverse)",
     "flap": "a node's link down and up, each time for less than the silence limit",
     "degraded": "5 % of a node's packets dropped at random for a while",
     "broker_kill": "SIGKILL the Kafka broker leading the job's events (3 brokers, min ISR 2)",
 }
-NODE_LOST = ("node_kill", "node0_kill", "partition", "oneway")  # the node is given up on
-NETWORK = ("partition", "oneway", "flap", "degraded", "broker_kill")  # need --netns
+NODE_LOST = ("node_kill", "node0_kill", "partition", "node0_partition", "oneway")  # given up on
+CUT = ("partition", "node0_partition")  # a node cut off both ways
+NETWORK = (*CUT, "oneway", "flap", "degraded", "broker_kill")  # need --netns
 # Kinds that lose a second member during the recovery: they need a replica left to donate.
 TWO_FAILURES = ("donor", "replacement", "regroup", "group_build")
 OUTSIDE_SIGNAL = {"sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP}
@@ -142,18 +144,16 @@ def draw(
     """``faults`` faults at steps first_step, first_step + gap, …; kinds are dealt from a
     shuffled deck (so a short schedule still covers many kinds), ranks at random. A node kind
     takes a node still in the job (never the spare node, which holds the ranks that moved):
-    node 0 for ``node0_kill``, another at random else; a node given up on is not taken again.
-    ValueError when the faults would take more nodes than there are."""
+    node 0 for ``node0_kill`` and ``node0_partition``, another at random else; a node given up
+    on is not taken again (a kind that needs one is passed over). ValueError when the faults
+    would take more nodes than there are."""
     rng = random.Random(seed)
     deck: list[str] = []
     out = []
     alive = list(range(nodes))
     per_node = nproc // nodes
     for index in range(faults):
-        if not deck:
-            deck = list(kinds)
-            rng.shuffle(deck)
-        kind = deck.pop()
+        kind = _deal(deck, kinds, alive, rng)
         if kind in NODE_LOST or kind in ("flap", "degraded"):
             node = _node_for(kind, alive, rng)
             if kind in NODE_LOST:
@@ -173,12 +173,30 @@ def draw(
     return out
 
 
+NODE0 = ("node0_kill", "node0_partition")
+NODE_KINDS = (*NODE_LOST, "flap", "degraded")  # they act on a node still in the job
+
+
+def _deal(deck: list[str], kinds: list[str], alive: list[int], rng: random.Random) -> str:
+    """The next card of the deck (refilled and shuffled when empty) that a node still in the
+    job can take: node 0's kinds once node 0 is given up, a node kind once every node is,
+    are passed over. ValueError when no kind asked for can be dealt any more."""
+    for _ in range(2 * len(kinds) + 1):
+        if not deck:
+            deck.extend(kinds)
+            rng.shuffle(deck)
+        kind = deck.pop()
+        if (kind in NODE0 and 0 not in alive) or (kind in NODE_KINDS and not alive):
+            continue
+        return kind
+    raise ValueError(
+        f"the faults asked for take more nodes than the job has (every one of {kinds} needs a "
+        "node still in it): give more --nodes, other --kinds or fewer --faults"
+    )
+
+
 def _node_for(kind: str, alive: list[int], rng: random.Random) -> int:
-    if kind == "node0_kill":
-        if 0 not in alive:
-            raise ValueError("node0_kill: node 0 is already given up on by an earlier fault")
+    if kind in NODE0:
         return 0
     others = [node for node in alive if node != 0] or alive
-    if not others:
-        raise ValueError(f"{kind}: every node is already given up on; give more --nodes")
     return rng.choice(others)
