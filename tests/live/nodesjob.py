@@ -20,7 +20,7 @@ from livejob import HEARTBEAT_S, SCRIPT, STEP_TIME_S, STEPS, JobResult, Processe
 from flashrecovery.agent.loopback import LoopbackNodes
 from flashrecovery.connectors import LogConnector, open_log
 from flashrecovery.errors import LogError
-from flashrecovery.records import Envelope, StepCompleted, Stream
+from flashrecovery.records import Envelope, SpareReady, StepCompleted, Stream
 
 NODES_TIMEOUT_S = 150.0
 CONTROL = -1  # the control plane's exit code in run_nodes' codes
@@ -118,7 +118,24 @@ def when(
 
 
 def committed(rank: int, step: int) -> Callable[[Envelope], bool]:
-    return lambda r: isinstance(r, StepCompleted) and (r.rank, r.step) == (rank, step)
+    """``rank`` completed ``step`` or a later one (a step before it may have waited)."""
+    return lambda r: isinstance(r, StepCompleted) and r.rank == rank and r.step >= step
+
+
+def spares_ready(node: int, count: int) -> Callable[[Envelope], bool]:
+    """The ``count``-th spare of ``node`` reported ready."""
+    seen: set[int] = set()
+
+    def ready(r: Envelope) -> bool:
+        if isinstance(r, SpareReady) and r.node == node:
+            seen.add(r.spare_id)
+        return len(seen) >= count
+
+    return ready
+
+
+def nothing(known: Processes, nodes: LoopbackNodes) -> None:
+    """A scenario step that only waits for its record."""
 
 
 def of_type(record_type: str) -> Callable[[Envelope], bool]:

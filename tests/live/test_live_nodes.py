@@ -15,7 +15,18 @@ from pathlib import Path
 import pytest
 import torch
 from livejob import HEARTBEAT_S, STEPS, JobResult, Processes
-from nodesjob import CONTROL, committed, kill_rank, of_type, open_gate, run_nodes, signal_node, when
+from nodesjob import (
+    CONTROL,
+    committed,
+    kill_rank,
+    nothing,
+    of_type,
+    open_gate,
+    run_nodes,
+    signal_node,
+    spares_ready,
+    when,
+)
 from scrape import free_port, scrape, value
 
 from flashrecovery.agent.loopback import LoopbackNodes
@@ -81,7 +92,11 @@ def test_node_killed_its_ranks_move_together_to_the_spare_node(
     job, codes = run_nodes(
         tmp_path,
         spare_nodes=1,
-        scenario=[when(committed(2, 8), signal_node(1, signal.SIGKILL))],
+        # The spare node's spares may start after step 8: its loss waits for them.
+        scenario=[
+            when(spares_ready(2, 2), nothing),
+            when(committed(2, 8), signal_node(1, signal.SIGKILL)),
+        ],
     )
     assert codes[0] == 0 and codes[2] == 0 and codes[1] == -signal.SIGKILL
     assert_recovered(job, nodes_reference, failed={2, 3})
@@ -240,7 +255,10 @@ def test_node_0_killed_its_store_and_engine_with_it_the_job_goes_on(
     job, codes = run_nodes(
         tmp_path,
         spare_nodes=1,
-        scenario=[when(committed(2, 8), signal_node(0, signal.SIGKILL))],
+        scenario=[
+            when(spares_ready(2, 2), nothing),
+            when(committed(2, 8), signal_node(0, signal.SIGKILL)),
+        ],
     )
     assert codes == {0: -signal.SIGKILL, 1: 0, 2: 0}
     assert_recovered(job, nodes_reference, failed={0, 1})
