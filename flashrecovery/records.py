@@ -82,6 +82,14 @@ class Envelope(BaseModel):
 # ---------------------------------------------------------------- events
 
 
+class StragglerPolicy(StrEnum):
+    """What the engine does with a node it finds slowing the job (its link degraded): name it
+    in the log, or also replace its ranks when spares can take them all."""
+
+    REPORT = "report"
+    REPLACE = "replace"
+
+
 class JobStarted(Envelope):
     """The agent opened the job: the configuration the engine and detectors work with."""
 
@@ -105,6 +113,7 @@ class JobStarted(Envelope):
     # Where generation 0 meets: the rendezvous endpoint's store (a multi-node job's; absent
     # in old logs and single-node jobs, whose processes meet where they were launched).
     store: str | None = None
+    straggler_policy: StragglerPolicy = StragglerPolicy.REPORT  # absent in old logs: report
 
     @property
     def nproc_per_node(self) -> int:
@@ -138,6 +147,7 @@ class NodeJoined(Envelope):
     # (RegroupPlanned.store); absent in old logs and in a single-node job.
     store: str | None = None  # "host:port"
     presence: str | None = None  # "host:port" its agent watches the others from (presence.py)
+    probe: str | None = None  # "host:port" (UDP) its agent answers link probes at (link_probe.py)
 
 
 class RankJoined(Envelope):
@@ -180,6 +190,23 @@ class SpareHeartbeat(Envelope):
     pid: int = Field(ge=1)
 
 
+class LinkSample(BaseModel):
+    """What an agent's probes of one peer's agent saw over one heartbeat interval: how many it
+    sent and how many came back late (lost, or queued behind a slow link; agent/link_probe.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    peer: NodeId
+    probes: int = Field(ge=0)
+    late: int = Field(ge=0)
+
+    @model_validator(mode="after")
+    def _late_of_probes(self) -> LinkSample:
+        if self.late > self.probes:
+            raise ValueError(f"late {self.late} is more than the {self.probes} probes sent")
+        return self
+
+
 class NodeHeartbeat(Envelope):
     """Proof of life from a node's agent, one per interval: its silence loses the whole node.
     ``beats`` are the node's processes' own heartbeats of that interval (the newest of each),
@@ -192,6 +219,9 @@ class NodeHeartbeat(Envelope):
     beats: list[Annotated[Heartbeat | SpareHeartbeat, Field(discriminator="type")]] = Field(
         default_factory=list
     )
+    # Its links to the other agents over the interval (a multi-node job's; absent in old logs):
+    # the engine scores them to name a node whose link degrades (engine/links.py).
+    links: list[LinkSample] = Field(default_factory=list)
 
 
 class StepCompleted(Envelope):
@@ -503,6 +533,22 @@ class RetireSpare(Decision):
     node: NodeId = 0  # the spare's
 
 
+class StragglerFound(Decision):
+    """A node slows the job: its links to its peers lose or delay their probes while the links
+    between its peers do not (so it is the node, not the network as a whole). ``replaced``:
+    the job's straggler policy replaced its ranks (an IsolateNode follows); else it is named
+    only."""
+
+    type: Literal["straggler_found"] = "straggler_found"
+    node: NodeId
+    ranks: list[RankId]
+    cause: Literal["link"] = "link"
+    late_ratio: float = Field(ge=0, le=1)  # of its probes, over the engine's window
+    peers: list[NodeId]  # whose links to it were scored
+    replaced: bool
+    reason: str
+
+
 class FailJob(Decision):
     """The job fails instead of recovering again: a crash loop, or too many incidents."""
 
@@ -565,6 +611,7 @@ DecisionRecord = Annotated[
     | ResumePlanned
     | FallbackToCheckpoint
     | RetireSpare
+    | StragglerFound
     | FailJob
     | IncidentClosed,
     Field(discriminator="type"),

@@ -59,6 +59,15 @@ SAMPLE_FIELDS: dict[str, dict[str, Any]] = {
     "resume_planned": {"caused_by": 9, "resume_step": 3, "donors": {0: 1}, "recipients": [0]},
     "fallback_to_checkpoint": {"caused_by": 9, "reason": "no replica", "shards": [0]},
     "retire_spare": {"caused_by": 9, "spare_id": 0, "pid": 2001, "reason": "exited"},
+    "straggler_found": {
+        "caused_by": 9,
+        "node": 1,
+        "ranks": [2, 3],
+        "late_ratio": 0.1,
+        "peers": [0, 2],
+        "replaced": False,
+        "reason": "its links lose probes",
+    },
     "fail_job": {
         "caused_by": 9,
         "rank": 0,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from flashrecovery.engine import recovery
+from flashrecovery.engine import links, planner, recovery
 from flashrecovery.engine.context import Context
 from flashrecovery.engine.state import EngineState, NodeView, RankView, SpareStatus, SpareView
 from flashrecovery.errors import IllegalTransition, Rejected
@@ -44,6 +44,8 @@ from flashrecovery.records import (
     StallSuspected,
     StateTransferred,
     StepCompleted,
+    StragglerFound,
+    StragglerPolicy,
 )
 from flashrecovery.statemachines.base import Trigger
 from flashrecovery.statemachines.job import RECOVERING, JobState
@@ -154,6 +156,7 @@ def _node_joined(ctx: Context, record: NodeJoined) -> None:
         record.ts,
         store=record.store,
         presence=record.presence,
+        probe=record.probe,
     )
     if record.store is not None and record.store == state.meeting:
         state.store_node = record.node  # the node holding the meeting store (node 0's, usually)
@@ -176,6 +179,67 @@ def _node_heartbeat(ctx: Context, record: NodeHeartbeat) -> None:
             _apply(inner)
         except Rejected as exc:
             state.reject(f"{beat.type} in {record.type}: {exc}")
+    for sample in record.links:
+        state.links.add(record.node, sample)
+    if record.links:
+        _score_links(ctx, record)
+
+
+def _score_links(ctx: Context, record: NodeHeartbeat) -> None:
+    """Name a node whose links slow the job (engine/links.py), once until they heal; replace
+    its ranks when the job's policy says so and spares can take them all. Only while the job
+    runs: a recovery, or the job's end, turns links over for reasons of its own."""
+    state = ctx.state
+    assert state.config is not None
+    if state.job.state is not JobState.RUNNING or state.rank_census[RankState.FINISHED]:
+        state.links.clear()  # scored afresh once it runs again
+        return
+    quiet = links.HEARD_INTERVALS * state.config.heartbeat_interval_s
+    heard = [
+        n.node
+        for n in state.nodes.values()
+        if not n.lost and record.ts - n.last_heartbeat_ts <= quiet
+    ]
+    for node in sorted({record.node, *(sample.peer for sample in record.links)}):
+        if node in state.stragglers:
+            if links.recovered(state.links, node, heard):
+                state.stragglers.discard(node)
+        elif node in heard and (found := links.straggler(state.links, node, heard)):
+            _straggler_found(ctx, found)
+
+
+def _straggler_found(ctx: Context, found: links.Straggler) -> None:
+    state = ctx.state
+    assert state.config is not None
+    state.stragglers.add(found.node)
+    held = sorted(state.node_ranks.get(found.node, ()))
+    free = [s for s in planner.fresh_spares(state, ctx.record.ts) if s.node != found.node]
+    policy = state.config.straggler_policy
+    replace = policy is StragglerPolicy.REPLACE and bool(held) and len(free) >= len(held)
+    peers = ", ".join(map(str, found.peers))
+    why = (
+        f"node {found.node}'s links lose or delay {found.late_ratio:.0%} of their probes "
+        f"(to node(s) {peers}), while the links between its peers do not"
+    )
+    if replace:
+        outcome = "replaced (--straggler-policy replace)"
+    elif policy is StragglerPolicy.REPLACE:
+        outcome = f"named only: {len(free)} spare(s) free for its {len(held)} rank(s)"
+    else:
+        outcome = "named only (--straggler-policy report)"
+    ctx.emit(
+        StragglerFound,
+        node=found.node,
+        ranks=held,
+        late_ratio=found.late_ratio,
+        peers=found.peers,
+        replaced=replace,
+        reason=f"{why}: {outcome}",
+    )
+    if replace:
+        recovery.fail_node(
+            ctx, found.node, ctx.record.ts, f"node {found.node} slows the job: {why}"
+        )
 
 
 def _node_missed(ctx: Context, record: NodeMissed) -> None:

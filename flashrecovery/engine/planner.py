@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from flashrecovery.engine.state import EngineState
+from flashrecovery.engine.state import EngineState, SpareView
 
 FRESH_SPARE_INTERVALS = 2.0  # a spare not heard from for this many heartbeats is not handed a rank
 
@@ -18,18 +18,23 @@ def choose_spares(state: EngineState, ranks: list[int], now: float) -> list[int]
     whose last heartbeat is older than FRESH_SPARE_INTERVALS at ``now`` (the deciding record's
     time) is passed over: it may be stopped, and its silence is not yet long enough to retire
     it; a fresh process is the safer replacement."""
-    assert state.config is not None
-    stale_after = FRESH_SPARE_INTERVALS * state.config.heartbeat_interval_s
-    ready = [
-        s
-        for s in state.ready_spares()
-        if s.last_heartbeat_ts is None or now - s.last_heartbeat_ts <= stale_after
-    ]
+    ready = fresh_spares(state, now)
     per_node = Counter(s.node for s in ready)
     placed = set(ranks)
     held = {node: len(state.node_ranks.get(node, set()) - placed) for node in per_node}
     ready.sort(key=lambda s: (held[s.node], -per_node[s.node], s.node, s.spare_id))
     return [s.spare_id for s in ready[: len(ranks)]]
+
+
+def fresh_spares(state: EngineState, now: float) -> list[SpareView]:
+    """The ready spares heard from within FRESH_SPARE_INTERVALS at ``now``."""
+    assert state.config is not None
+    stale_after = FRESH_SPARE_INTERVALS * state.config.heartbeat_interval_s
+    return [
+        s
+        for s in state.ready_spares()
+        if s.last_heartbeat_ts is None or now - s.last_heartbeat_ts <= stale_after
+    ]
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from collections.abc import Callable, ItemsView, Iterator, MutableMapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from flashrecovery.engine.links import LinkBook
 from flashrecovery.errors import IllegalTransition
 from flashrecovery.records import JobStarted
 from flashrecovery.statemachines.base import Stamp, Trigger
@@ -82,6 +83,7 @@ class NodeView:
     lost: bool = False
     store: str | None = None  # the store its agent hosts (a multi-node job's)
     presence: str | None = None  # where its agent can be watched from (agent/presence.py)
+    probe: str | None = None  # where its agent answers link probes (agent/link_probe.py)
 
 
 @dataclass
@@ -279,6 +281,8 @@ class EngineState:
     checkpoint: tuple[int, str] | None = None  # the latest complete checkpoint: (step, path)
     meeting: str | None = None  # the store the current generation meets on (multi-node)
     store_node: int | None = None  # the node whose agent hosts it (None: no node's)
+    links: LinkBook = field(default_factory=LinkBook)  # the agents' probes of each other
+    stragglers: set[int] = field(default_factory=set)  # nodes named, until their links heal
 
     def __post_init__(self) -> None:
         self.ranks = RankTable(self.sweeps, self._settle)
