@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 from flashrecovery.connectors import open_log
 from flashrecovery.errors import ConfigError, LogError
-from flashrecovery.records import Stream
+from flashrecovery.records import StragglerPolicy, Stream
 from flashrecovery.trainer_hooks.env import GroupRebuild
 from flashrecovery.trainer_hooks.probe import ENV, FaultPlan
 
@@ -96,6 +96,7 @@ class AgentConfig:
     job_id: str | None = None  # default: generated
     heartbeat_interval_s: float = 1.0
     stall_floor_s: float = 5.0  # no step progress this long (at least) while peers wait: stall
+    straggler_policy: StragglerPolicy = StragglerPolicy.REPORT  # a node whose link slows the job
     external_engine: bool = False  # decisions come from `flashrecovery engine` services
     fault_plan: FaultPlan = field(
         default_factory=FaultPlan

@@ -27,6 +27,7 @@ from flashrecovery.agent import rendezvous
 from flashrecovery.agent.actions import SPAWNS_PER_S, Actions, SpawnBudget
 from flashrecovery.agent.config import AgentConfig, SpareRefill, StartMethod
 from flashrecovery.agent.forkserver import ForkServer
+from flashrecovery.agent.link_probe import LinkProbe, ring_peers
 from flashrecovery.agent.links import ProcessLinks
 from flashrecovery.agent.meeting import EndWatch, Meeting
 from flashrecovery.agent.nodedir import NodeDir
@@ -123,6 +124,7 @@ class Agent:
         self._engine: EngineLoop | None = None
         self._links: ProcessLinks | None = None  # the node's processes' records, once running
         self._presence: Presence | None = None  # a multi-node job's watch of the other agents
+        self._probe: LinkProbe | None = None  # ... and its probes of their links
 
     def run(self) -> int:
         config = self.config
@@ -162,6 +164,7 @@ class Agent:
         self._engine = engine
         if config.multinode:
             self._presence = Presence(member.node, os.getpid(), member.own.host, self._agent_exited)
+            self._probe = LinkProbe(member.own.host)
         meeting = Meeting(member.own, member.meeting)
         # The processes talk to their agent, not to the log: their beats in one record, their
         # other records in batches, the decisions relayed. Only the agent writes, so a rank
@@ -223,6 +226,8 @@ class Agent:
                 node_dir.close()
                 if self._presence is not None:
                     self._presence.close()
+                if self._probe is not None:
+                    self._probe.close()
                 # Whoever hosts the meeting store ends the job (node 0's, unless it was lost):
                 # the others read the end from it, then it seals the log.
                 # A node given up on never does, though it may think it hosts the meeting:
@@ -251,6 +256,7 @@ class Agent:
                 spares=config.spares,
                 heartbeat_interval_s=config.heartbeat_interval_s,
                 stall_floor_s=config.stall_floor_s,
+                straggler_policy=config.straggler_policy,
                 max_replacements=config.max_replacements,
                 max_incidents=config.max_incidents,
                 nodes=config.nnodes,
@@ -284,12 +290,18 @@ class Agent:
             )
 
     def _watch_peers(self) -> None:
-        """Watch every other node's agent the engine has seen join."""
-        if self._presence is None or self._engine is None:
+        """Watch every other node's agent the engine has seen join, and probe the links to the
+        next few of them in ring order (of the nodes not given up)."""
+        if self._presence is None or self._engine is None or self.node is None:
             return
-        for view in list(self._engine.state.nodes.values()):
-            if view.presence is not None and not view.lost:
+        live = [view for view in list(self._engine.state.nodes.values()) if not view.lost]
+        for view in live:
+            if view.presence is not None:
                 self._presence.watch(view.node, view.pid, view.presence)
+        if self._probe is not None:
+            probes = {view.node: view.probe for view in live if view.probe is not None}
+            peers = ring_peers(self.node, [n for n in probes if n != self.node])
+            self._probe.probe({node: probes[node] for node in peers})
 
     def _node_heartbeat(self, member: rendezvous.Membership, relay: BeatRelay) -> HeartbeatThread:
         """Say the node joined, then beat for it every interval from a thread of its own,
@@ -311,12 +323,19 @@ class Agent:
                 spares=member.spares,
                 store=member.own.endpoint if multinode else None,
                 presence=self._presence.endpoint if self._presence is not None else None,
+                probe=self._probe.endpoint if self._probe is not None else None,
             )
         )
         thread = HeartbeatThread(
             self._log,
             self.config.heartbeat_interval_s,
-            lambda: NodeHeartbeat(**envelope, node=member.node, pid=pid, beats=relay.take()),
+            lambda: NodeHeartbeat(
+                **envelope,
+                node=member.node,
+                pid=pid,
+                beats=relay.take(),
+                links=self._probe.take() if self._probe is not None else [],
+            ),
         )
         thread.start()
         return thread

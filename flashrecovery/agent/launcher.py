@@ -10,6 +10,7 @@ from pathlib import Path
 from flashrecovery.agent.config import AgentConfig, Endpoint, SpareRefill, StartMethod
 from flashrecovery.errors import ConfigError
 from flashrecovery.observe.exporter import add_metrics_port
+from flashrecovery.records import StragglerPolicy
 from flashrecovery.trainer_hooks import probe
 from flashrecovery.trainer_hooks.env import GroupRebuild
 
@@ -86,6 +87,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SEC",
         help="no step progress for max(10 x median step, SEC) while peers wait in the commit "
         "makes the rank holding them up suspect; a second such window fails it (default 5.0)",
+    )
+    parser.add_argument(
+        "--straggler-policy",
+        choices=[p.value for p in StragglerPolicy],
+        default=StragglerPolicy.REPORT,
+        help="what to do with a node whose link slows the job (its probes to its peers lost or "
+        "late while theirs between them are not): name it in the log (report, the default), "
+        "or also replace its ranks with spares of other nodes when they can take them all "
+        "(replace); needs 3 nodes or more to tell the node from the network",
     )
     parser.add_argument(
         "--external-engine",
@@ -224,6 +234,7 @@ def run(args: argparse.Namespace) -> int:
                 job_id=args.job_id,
                 heartbeat_interval_s=args.heartbeat_interval,
                 stall_floor_s=args.stall_timeout,
+                straggler_policy=StragglerPolicy(args.straggler_policy),
                 external_engine=args.external_engine,
                 fault_plan=_fault_plan(),
                 final_state_dir=args.final_state,
