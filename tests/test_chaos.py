@@ -15,7 +15,7 @@ from factories import JOB, T0, TYPES_BY_NAME, make
 
 from flashrecovery.chaos.cli import Plan, add_arguments
 from flashrecovery.chaos.schedule import NODE_LOST, TWO_FAILURES, available_kinds, draw
-from flashrecovery.chaos.verdict import Sent, judge, spare_outcome
+from flashrecovery.chaos.verdict import Sent, judge, spare_outcome, straggler_outcome
 from flashrecovery.connectors.memory import MemoryLog
 from flashrecovery.records import Stream
 from flashrecovery.trainer_hooks.probe import FaultPlan
@@ -166,6 +166,27 @@ def test_an_idle_spare_fault_is_judged_by_what_the_log_shows(
     sent = Sent(spare=(0, 2001, T0))
     ok, notes, _, _ = spare_outcome(log, JOB, sent)
     assert ok is recovered and note in notes[0]
+
+
+@pytest.mark.parametrize(
+    ("named", "recovered", "note"),
+    [
+        ([], False, "node 1 was not named as the cause"),
+        ([(T0 - 5, 1)], False, "node 1 was not named as the cause"),  # before the fault
+        ([(T0 + 3, 2)], False, "node 1 was not named as the cause"),  # another node
+        ([(T0 + 3, 1)], True, "node 1 named (reported), 10% of probes late"),
+    ],
+)
+def test_a_degraded_link_is_judged_by_whether_its_node_was_named(
+    named: list[tuple[float, int]], recovered: bool, note: str
+) -> None:
+    log = MemoryLog()
+    for i, (ts, node) in enumerate(named):
+        record = make(TYPES_BY_NAME["straggler_found"], record_id=f"r-{i}", ts=ts, node=node)
+        log.append(Stream.DECISIONS, record)
+    ok, notes, detection = straggler_outcome(log, JOB, 1, Sent(network_ts=T0))
+    assert ok is recovered and notes == [note]
+    assert detection == (3.0 if recovered else None)
 
 
 def test_a_fault_the_job_never_met_is_counted_apart_not_as_recovered() -> None:

@@ -43,7 +43,7 @@ from flashrecovery.connectors.kafka_broker import KafkaBroker
 from flashrecovery.demo.cli import execute
 from flashrecovery.demo.job import JobSpec, LaunchedJob
 from flashrecovery.demo.watch import JobWatch, Kill, KillOutcome
-from flashrecovery.records import Stream
+from flashrecovery.records import StragglerPolicy, Stream
 from flashrecovery.trainer_hooks import final_state
 
 FIRST_STEP = 4  # the first fault's step: the spares have had time to warm up
@@ -104,6 +104,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--heartbeat-interval", type=float, default=1.0, metavar="SEC")
     parser.add_argument("--stall-timeout", type=float, default=5.0, metavar="SEC")
+    parser.add_argument(
+        "--straggler-policy",
+        choices=[p.value for p in StragglerPolicy],
+        default=StragglerPolicy.REPORT,
+        help="the job's --straggler-policy: a degraded node is named (report, the default), or "
+        "named and replaced (replace); either way the degraded kind checks it was named",
+    )
     parser.add_argument(
         "--min-step-s",
         type=float,
@@ -319,6 +326,7 @@ def _specs(
     }
     options = ["--heartbeat-interval", str(args.heartbeat_interval)]
     options += ["--stall-timeout", str(args.stall_timeout)]
+    options += ["--straggler-policy", str(args.straggler_policy)]
     chaos_options = [*options, "--final-state", str(run_dir / "final")]
     chaos_options += ["--output-dir", str(run_dir / "output")]
     if args.external_engine:

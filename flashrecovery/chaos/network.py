@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from flashrecovery.agent.netns import Direction
 from flashrecovery.agent.testbed import Testbed
-from flashrecovery.chaos.schedule import CUT, NETWORK, PlannedFault
+from flashrecovery.chaos.schedule import CUT, NETWORK, SLOWED, PlannedFault
 from flashrecovery.chaos.verdict import Sent
 from flashrecovery.connectors.kafka import KafkaSettings
 from flashrecovery.demo.job import LaunchedJob
@@ -26,7 +26,7 @@ HEAL_AT_LATEST_S = 20.0  # a cut node is healed this long after at the latest
 FLAPS = 3  # down and up this many times
 FLAP_DOWN_S = 0.6  # each time for less than the silence limit (3 heartbeat intervals)
 FLAP_UP_S = 0.6
-DEGRADED_S = 4.0  # a degraded link's length
+DEGRADED_S = 8.0  # a degraded link's length: the engine needs a few intervals of probes
 DEGRADED_PERCENT = 5
 CUT_TYPICAL_S = 8.0  # a cut node: given up after its silence limit, healed a second later, margin
 # How long each kind holds its link as a rule: what a run must last beyond its steps' pace.
@@ -51,6 +51,9 @@ class NetworkFaults:
             if fault.kind not in NETWORK:
                 continue
             sent = self.sent.setdefault(fault.index, Sent())
+            node = fault.node
+            if fault.kind in SLOWED and node is not None and watch.state.node_lost(node):
+                job.lose_node(node)  # replaced by the straggler policy: its end is not the job's
             if sent.network_ts is None:
                 if watch.committed() < fault.step - 1 or not watch.running:
                     return None  # in order: a later one waits for this one

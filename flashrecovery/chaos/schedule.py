@@ -40,6 +40,8 @@ KINDS: dict[str, str] = {
 NODE_LOST = ("node_kill", "node0_kill", "partition", "node0_partition", "oneway")  # given up on
 CUT = ("partition", "node0_partition")  # a node cut off both ways
 NETWORK = (*CUT, "oneway", "flap", "degraded", "broker_kill")  # need --netns
+# A node's link made slow or unsteady, not cut: the straggler policy may replace the node.
+SLOWED = ("flap", "degraded")
 # Kinds that lose a second member during the recovery: they need a replica left to donate.
 TWO_FAILURES = ("donor", "replacement", "regroup", "group_build")
 OUTSIDE_SIGNAL = {"sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP}

@@ -8,7 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from flashrecovery.chaos.schedule import IDLE_SPARE_SIGNAL, NETWORK, NODE_LOST, PlannedFault
+from flashrecovery.chaos.schedule import (
+    IDLE_SPARE_SIGNAL,
+    NETWORK,
+    NODE_LOST,
+    SLOWED,
+    PlannedFault,
+)
 from flashrecovery.connectors.base import LogConnector
 from flashrecovery.demo.summary import incidents, loss_curve, process_history, step_losses
 from flashrecovery.demo.watch import Kill, KillOutcome
@@ -19,6 +25,7 @@ from flashrecovery.records import (
     RetireSpare,
     SpareActivated,
     SpareReady,
+    StragglerFound,
     Stream,
 )
 from flashrecovery.statemachines.incident import IncidentState
@@ -133,6 +140,33 @@ def spare_outcome(
     return False, [f"spare {spare_id} was not retired and replaced"], None, None
 
 
+def straggler_outcome(
+    log: LogConnector, job_id: str, node: int | None, sent: Sent
+) -> tuple[bool, list[str], float | None]:
+    """A degraded (or flapping) link: whether the engine named its node as the cause once the
+    link was made slow, what it did, and when (detection: from the moment the link failed to
+    the naming). An incident that replaced the node (the replace policy) is judged apart."""
+    since = sent.network_ts
+    if since is None:
+        return False, [], None
+    named = next(
+        (
+            r
+            for e in log.read(Stream.DECISIONS, job_id)
+            if isinstance(r := e.record, StragglerFound) and r.node == node and r.ts >= since
+        ),
+        None,
+    )
+    if named is None:
+        return False, [f"node {node} was not named as the cause"], None
+    said = "and replaced" if named.replaced else "(reported)"
+    return (
+        True,
+        [f"node {node} named {said}, {named.late_ratio:.0%} of probes late"],
+        named.ts - since,
+    )
+
+
 def _caused_by(fault: PlannedFault, rank: int, row: dict[str, Any]) -> bool:
     """A lost node's incident by the node's number (ranks may have moved onto it since the plan
     was drawn); any other by its rank."""
@@ -172,6 +206,10 @@ def judge(
             if match is not None:
                 unclaimed.remove(match)
                 mine.append(match)
+        if fault.kind in SLOWED:  # its node replaced by the straggler policy
+            replaced = [r for r in unclaimed if r["failed_node"] == fault.node]
+            unclaimed = [r for r in unclaimed if r not in replaced]
+            mine += replaced
         action = sent.get(fault.index, Sent())
         first = mine[0] if mine else None
         if first is None:
@@ -201,6 +239,12 @@ def judge(
             recovered, said, detection, rto = spare_outcome(log, job_id, action)
             notes += said
             rtos = [] if rto is None else [rto]
+        if fault.kind in SLOWED:
+            named, said, detection = straggler_outcome(log, job_id, fault.node, action)
+            # degraded: it must be named; a flap may be, or pass unnoticed
+            recovered = (named or fault.kind == "flap") and len(mine) <= 1
+            recovered = recovered and all(r["state"] == IncidentState.CLOSED for r in mine)
+            notes += said if named or fault.kind == "degraded" else []
         if action.network_ts is not None and mine:  # from the moment the link failed
             detection = mine[0]["detected_ts"] - action.network_ts
             rtos = [

@@ -209,7 +209,18 @@ def incidents(log: LogConnector, job_id: str, kills: list[Kill], nodes: int = 1)
         "incidents": rows,
         "replay": {
             key: data[key]
-            for key in ("ok", "events", "decisions_checked", "divergence", "job_state")
+            for key in (
+                "ok",
+                "events",
+                "decisions_checked",
+                "divergence",
+                "job_state",
+                # what must hold whatever the network did: one engine decides, one generation
+                # commits each step, nothing a lost node wrote is believed
+                "unleased_deciders",
+                "double_commits",
+                "believed_from_lost_nodes",
+            )
         },
     }
 
