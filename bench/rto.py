@@ -17,8 +17,9 @@ restore (the slowest recipient's receive, ms) come from StateTransferred. Median
 bench/results/rto.json, a table and bench/results/rto.png. It measures, it asserts nothing.
 
 With ``--nodes``, each job runs on loopback nodes (an agent each, 2 ranks and 1 hot spare per
-node, plus a spare node of 2 spares): rank 1 (on node 0) is SIGKILLed, then, once the job runs
-again, the last node (its agent's process group). It also counts the records the job
+node, plus a spare node of 2 spares): rank 1 (on node 0) is SIGKILLed, then, each once the job
+runs again, the last node and node 0 (its agent's process group: node 0's agent hosts the
+store generation 0 meets on and the engine holding the lease). It also counts the records the job
 writes into its log per second while it trains, per node and per rank (bench/results/
 rto_nodes.json).
 """
@@ -112,8 +113,9 @@ def transfers(log: Any, job_id: str) -> dict[int, dict[str, float]]:
 
 
 def measure_nodes(nodes: int, tmp: Path, timeout: float) -> dict[str, Any]:
-    """A rank kill, then a node kill, on ``nodes`` loopback nodes; the closed incidents' rows
-    and the job's record rate while it trained undisturbed."""
+    """A rank kill, then the last node's kill, then node 0's (the meeting store's host and the
+    deciding engine's), on ``nodes`` loopback nodes; the closed incidents' rows and the job's
+    record rate while it trained undisturbed."""
     per_node = 2
     spec = dataclasses.replace(
         job_spec(f"rto-nodes-{nodes}", tmp, nproc=nodes * per_node, spares=1, steps=STEPS),
@@ -126,14 +128,16 @@ def measure_nodes(nodes: int, tmp: Path, timeout: float) -> dict[str, Any]:
             watch = JobWatch(log, spec.job_id)
             killer = Killer(job, spare_wait_s=SPARE_WAIT_S)
 
+            # a rank on node 0 first: the node killed next still holds its ranks
+            kills = [Kill(1, 0), Kill(None, 0, node=last), Kill(None, 0, node=0)]
+
             def plan_next(_: Kill | None) -> None:
-                if not watch.running or killer.pending or len(killer.plan) >= 2:
+                if not watch.running or killer.pending or len(killer.plan) >= len(kills):
                     return
                 step = watch.committed() + GAP_STEPS * (4 if not killer.plan else 1)
-                rank_kill = Kill(1, step)  # on node 0: the node killed next still holds its ranks
-                killer.plan.append(rank_kill if not killer.plan else Kill(None, step, node=last))
+                killer.plan.append(dataclasses.replace(kills[len(killer.plan)], step=step))
 
-            follow(job, watch, killer, timeout, plan_next, until=lambda: watch.incidents[1] >= 2)
+            follow(job, watch, killer, timeout, plan_next, until=lambda: watch.incidents[1] >= 3)
         rows = incidents(log, spec.job_id, killer.plan, nodes)["incidents"]
         first_kill = killer.plan[0].ts if killer.plan else None
         rate = record_rate(log, spec.job_id, until=first_kill)
@@ -172,7 +176,7 @@ def nodes_main(node_counts: list[int], timeout: float, console: Console) -> None
     configs = []
     with tempfile.TemporaryDirectory(prefix="flashrecovery-rto-nodes-") as tmp:
         for nodes in node_counts:
-            console.print(f"{nodes} loopback nodes: a rank kill, then a node kill …")
+            console.print(f"{nodes} loopback nodes: a rank kill, the last node's, node 0's …")
             configs.append(measure_nodes(nodes, Path(tmp), timeout))
     path = write_json("rto_nodes", {"machine": machine(), "configs": configs})
     columns, rows = [""], []

@@ -43,14 +43,18 @@ RUN_CHECKS = (
 )
 
 
-def chaos(faults: int, seed: int, run_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """One `flashrecovery chaos` run; its verdict (or why there is none)."""
+def chaos(
+    faults: int, seed: int, run_dir: Path, args: argparse.Namespace, more: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """One `flashrecovery chaos` run (with ``more`` of its options); its verdict (or why there
+    is none)."""
     command = [
         sys.executable, "-m", "flashrecovery.cli", "chaos",
         "--faults", str(faults), "--seed", str(seed), "--gap", str(args.gap),
         "--min-step-s", str(args.min_step_s), "--run-dir", str(run_dir), "--json",
         *(["--external-engine"] if args.external_engine else []),
         *(["--kafka"] if args.kafka else []),
+        *more,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     started = time.monotonic()
@@ -103,8 +107,8 @@ def pool(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def plot(kinds: dict[str, dict[str, Any]]) -> Path:
-    path = RESULTS / "soak.png"
+def plot(name: str, kinds: dict[str, dict[str, Any]]) -> Path:
+    path = RESULTS / f"{name}.png"
     labels = list(kinds)
     fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(labels) + 2), 4.5))
     x = range(len(labels))
@@ -122,31 +126,34 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--faults", type=int, default=100)
-    parser.add_argument("--per-run", type=int, default=10)
+def add_arguments(parser: argparse.ArgumentParser, faults: int, per_run: int) -> None:
+    """The options a soak of chaos runs takes (the nemesis bench's too)."""
+    parser.add_argument("--faults", type=int, default=faults)
+    parser.add_argument("--per-run", type=int, default=per_run)
     parser.add_argument("--seed", type=int, default=0, help="the first run's; then +1 per run")
     parser.add_argument("--gap", type=int, default=6)
     parser.add_argument("--min-step-s", type=float, default=0.05)
     parser.add_argument("--external-engine", action="store_true")
     parser.add_argument("--kafka", action="store_true")
-    parser.add_argument("--quick", action="store_true", help="one run of two faults")
-    args = parser.parse_args()
-    if args.quick:
-        args.faults, args.per_run = 2, 2
-    console = Console()
+
+
+def run_all(
+    console: Console, args: argparse.Namespace, more: tuple[str, ...] = ()
+) -> list[dict[str, Any]]:
+    """``args.faults`` faults in chaos runs of ``args.per_run`` each, seeds counting up."""
     runs = []
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
         for index in range(math.ceil(args.faults / args.per_run)):
             faults = min(args.per_run, args.faults - index * args.per_run)
-            run = chaos(faults, args.seed + index, Path(tmp) / f"run{index}", args)
+            run = chaos(faults, args.seed + index, Path(tmp) / f"run{index}", args, more)
             runs.append(run)
             state = "no verdict" if "error" in run else ("OK" if run["ok"] else "FAILED")
             console.print(f"run {index} (seed {run['seed']}): {state} in {run['seconds']:.0f} s")
-    pooled = pool(runs)
-    data = {"machine": machine(), "args": vars(args), "pooled": pooled, "runs": runs}
-    json_path = write_json("soak", data)
+    return runs
+
+
+def show(console: Console, name: str, pooled: dict[str, Any]) -> None:
+    """The table per kind, the records and the runs' checks."""
     rows = [
         [
             kind,
@@ -173,7 +180,7 @@ def main() -> None:
         ]
     )
     columns = ["kind", "faults", "sent", "recovered", "detect p50 ms", "RTO p50 ms", "RTO p99 ms"]
-    console.print(table("soak", [*columns, "steps lost"], rows))
+    console.print(table(name, [*columns, "steps lost"], rows))
     console.print(
         f"records {pooled['records']}: stored twice {pooled['records_stored_twice']}, "
         f"step records missing {pooled['step_records_missing']}, "
@@ -181,7 +188,22 @@ def main() -> None:
     )
     passing = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in pooled["runs_passing"].items())
     console.print(f"runs {pooled['runs']}: {passing}")
-    console.print(f"wrote {json_path} and {plot(pooled['kinds'])}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser, faults=100, per_run=10)
+    parser.add_argument("--quick", action="store_true", help="one run of two faults")
+    args = parser.parse_args()
+    if args.quick:
+        args.faults, args.per_run = 2, 2
+    console = Console()
+    runs = run_all(console, args)
+    pooled = pool(runs)
+    data = {"machine": machine(), "args": vars(args), "pooled": pooled, "runs": runs}
+    json_path = write_json("soak", data)
+    show(console, "soak", pooled)
+    console.print(f"wrote {json_path} and {plot('soak', pooled['kinds'])}")
 
 
 if __name__ == "__main__":
