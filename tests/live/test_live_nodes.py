@@ -271,6 +271,41 @@ def test_node_0_killed_its_store_and_engine_with_it_the_job_goes_on(
     assert {lease.node for lease in job.records(type="engine_lease")} - {0}
 
 
+def test_node_0_killed_while_an_incident_regroups_on_its_store(
+    tmp_path: Path, nodes_reference: torch.Tensor
+) -> None:
+    """Rank 2 (node 1) SIGKILLed, and once its spare is activated — the incident open, the new
+    generation meeting on node 0's store, node 0's engine deciding — node 0 SIGKILLed with its
+    store, its engine and its ranks: a standby engine takes the lease, a plan names a surviving
+    node's store, node 0's ranks and the rank being replaced all land on spares, and the job
+    completes bitwise equal to a fault-free run, sealed by a survivor."""
+    job, codes = run_nodes(
+        tmp_path,
+        spare_nodes=1,
+        scenario=[
+            when(spares_ready(2, 2), nothing),
+            when(committed(2, 8), kill_rank(2)),
+            when(of_type("spare_activated"), signal_node(0, signal.SIGKILL)),
+        ],
+    )
+    assert codes == {0: -signal.SIGKILL, 1: 0, 2: 0}
+    [finished] = job.records(type="job_finished")
+    assert finished.status == "completed" and finished.source == "agent", finished
+    for rank in range(WORLD):
+        assert torch.equal(job.final(rank)["params"], nodes_reference), f"rank {rank} diverged"
+    joined = {r.rank: r.pid for r in job.records(type="rank_joined")}
+    assert job.final(3)["pid"] == joined[3]  # the one rank neither lost nor on node 0
+    assert all(job.final(rank)["pid"] != joined[rank] for rank in (0, 1, 2))
+    assert {e.node for e in job.records(type="agent_exited")} == {0}
+    stores = {n.node: n.store for n in job.records(type="node_joined")}
+    last = max(job.decisions("regroup_planned"), key=lambda p: p.generation)
+    assert last.store in (stores[1], stores[2])
+    assert {lease.node for lease in job.records(type="engine_lease")} - {0}
+    assert all(c.rpo_steps == 0 for c in job.decisions("incident_closed"))
+    report = replay_job(job.log, job.job_id)
+    assert report.ok, report.divergence and report.divergence.describe()
+
+
 def test_records_scale_with_nodes_two_nodes_of_four_ranks(tmp_path: Path) -> None:
     """The ranks talk to their agents, not to the log: one heartbeat record per node per
     interval, and the steps written by the agents in batches, none lost, every rank's in
