@@ -28,7 +28,10 @@ from bench.lib.results import machine, write_json
 from bench.soak import add_arguments, plot, pool, run_all, show
 from flashrecovery.agent import netns
 
-KINDS = "node_kill,node0_kill,partition,node0_partition,oneway,flap,degraded,broker_kill"
+KINDS = (
+    "node_kill,node0_kill,partition,node0_partition,oneway,flap,degraded,broker_kill,"
+    "broker_partition"
+)
 QUICK_KINDS = "partition,degraded"
 SPLIT_BRAIN = ("unleased_deciders", "double_commits", "believed_from_lost_nodes")
 

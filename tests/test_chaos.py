@@ -17,6 +17,7 @@ from flashrecovery.chaos.cli import Plan, add_arguments
 from flashrecovery.chaos.schedule import NODE_LOST, TWO_FAILURES, available_kinds, draw
 from flashrecovery.chaos.verdict import Sent, judge, spare_outcome, straggler_outcome
 from flashrecovery.connectors.memory import MemoryLog
+from flashrecovery.demo.watch import Kill, KillOutcome
 from flashrecovery.records import Stream
 from flashrecovery.trainer_hooks.probe import FaultPlan
 
@@ -100,6 +101,32 @@ def test_an_outside_kill_stops_waiting_for_a_spare_before_the_next_fault() -> No
     plan = Plan.from_args(args)
     steps = [f.step for f in plan.faults]
     assert [k.spare_wait_until for k in plan.kills] == [s - 2 for s in steps[1:]] + [None]
+
+
+def test_faults_come_one_at_a_time_a_kill_waits_for_the_link_before_it_to_heal() -> None:
+    """A network fault holds its link for seconds while the job trains on: the kill planned
+    after it must wait until it is healed, not land on its recovery (seen: a degraded link,
+    then a node cut off and a node killed at once, no replica left)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = ["--faults", "3", "--seed", "0", "--nodes", "3", "--netns"]
+    plan = Plan.from_args(parser.parse_args([*argv, "--kinds", "degraded,node_kill"]))
+    assert [f.kind for f in plan.faults] == ["node_kill", "degraded", "node_kill"]  # seed 0
+    kills = [plan.sent[i].kill for i in (0, 2)]
+    released: list[Kill] = []
+    plan.release(released)
+    assert released == kills[:1]
+    plan.release(released)
+    assert released == kills[:1]  # the next waits for this one to be sent
+    assert kills[0] is not None
+    kills[0].outcome = KillOutcome.KILLED
+    plan.release(released)
+    assert released == kills[:1]  # and for the degraded link between them to heal
+    plan.sent.setdefault(1, Sent()).network_ts = T0
+    assert not plan.turn(2)
+    plan.sent[1].healed_ts = T0 + 8
+    plan.release(released)
+    assert released == kills
 
 
 def test_an_impossible_kind_is_refused_before_anything_starts(tmp_path: Path) -> None:

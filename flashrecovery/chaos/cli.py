@@ -34,6 +34,7 @@ from flashrecovery.chaos.network import LASTS_S, NetworkFaults
 from flashrecovery.chaos.schedule import (
     IDLE_SPARE_SIGNAL,
     MID_INCIDENT,
+    NETWORK,
     OUTSIDE_SIGNAL,
     PlannedFault,
 )
@@ -181,6 +182,30 @@ class Plan:
 
     def last_step(self) -> int:
         return max((f.step for f in self.faults), default=0)
+
+    def over(self, fault: PlannedFault) -> bool:
+        """A network fault healed, a kill sent (or missed); the others pace themselves."""
+        sent = self.sent.get(fault.index)
+        if fault.kind in NETWORK:
+            return sent is not None and sent.healed_ts is not None
+        if sent is not None and sent.kill is not None:
+            return sent.kill.outcome is not KillOutcome.PENDING
+        return True
+
+    def turn(self, index: int) -> bool:
+        """Whether every fault before ``index`` is over: faults come one at a time, so a link
+        held for seconds does not leave the kills after it to pile onto its recovery."""
+        return all(self.over(f) for f in self.faults if f.index < index)
+
+    def release(self, kills: list[Kill]) -> None:
+        """Hand the killer its next kill once its turn has come (kills stay in order)."""
+        for fault in self.faults:
+            sent = self.sent.get(fault.index)
+            if sent is None or sent.kill is None or sent.kill in kills:
+                continue
+            if self.turn(fault.index):
+                kills.append(sent.kill)
+            return
 
 
 class Engines:
@@ -438,9 +463,13 @@ def _run_both(
         left.extend(processes_left(job.log_url, job.job_id, started))
 
     outside = OutsideFaults(plan, engines, broker)
-    faults_of_network = NetworkFaults(plan.faults, plan.sent, testbed) if testbed else None
+    faults_of_network = (
+        NetworkFaults(plan.faults, plan.sent, testbed, plan.turn) if testbed else None
+    )
+    released: list[Kill] = []  # the killer's, each in its turn
 
     def on_round(launched: LaunchedJob, watch: JobWatch) -> str | None:
+        plan.release(released)
         said = outside(launched, watch)
         if said is None and faults_of_network is not None:
             said = faults_of_network(launched, watch)
@@ -449,7 +478,7 @@ def _run_both(
     try:
         returncode = execute(
             job,
-            plan.kills,
+            released,
             console,
             "chaos",
             args.timeout,

@@ -2,14 +2,16 @@
 a node cut off both ways or in one direction, then healed once the job has given it up (its
 agent then sees it was declared lost and ends, its processes with it); a link that flaps
 faster than the silence limit; a link that drops 5 % of its packets for a while; the Kafka
-broker leading the job's events SIGKILLed. Each acts once the job runs at its step and the
-network fault before it is over (two on one link at once would undo each other's rules)."""
+broker leading the job's events SIGKILLed, or cut off for a while and healed. Each acts once
+the job runs at its step and the network fault before it is over (two on one link at once
+would undo each other's rules)."""
 
 from __future__ import annotations
 
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from flashrecovery.agent.netns import Direction
@@ -28,6 +30,7 @@ FLAP_DOWN_S = 0.6  # each time for less than the silence limit (3 heartbeat inte
 FLAP_UP_S = 0.6
 DEGRADED_S = 8.0  # a degraded link's length: the engine needs a few intervals of probes
 DEGRADED_PERCENT = 5
+BROKER_CUT_S = 8.0  # a broker cut off this long: fenced by its controllers, then back
 CUT_TYPICAL_S = 8.0  # a cut node: given up after its silence limit, healed a second later, margin
 # How long each kind holds its link as a rule: what a run must last beyond its steps' pace.
 LASTS_S = {
@@ -37,6 +40,7 @@ LASTS_S = {
     "flap": FLAPS * (FLAP_DOWN_S + FLAP_UP_S),
     "degraded": DEGRADED_S,
     "broker_kill": 0.0,
+    "broker_partition": BROKER_CUT_S,
 }
 
 
@@ -45,6 +49,7 @@ class NetworkFaults:
     faults: list[PlannedFault]
     sent: dict[int, Sent]
     testbed: Testbed
+    turn: Callable[[int], bool]  # whether every fault before this one is over
 
     def __call__(self, job: LaunchedJob, watch: JobWatch) -> str | None:
         for fault in self.faults:
@@ -57,24 +62,15 @@ class NetworkFaults:
             if sent.network_ts is None:
                 if watch.committed() < fault.step - 1 or not watch.running:
                     return None  # in order: a later one waits for this one
-                if any(
-                    s.network_ts is not None and s.healed_ts is None for s in self._earlier(fault)
-                ):
-                    return None  # the one before still holds a link
+                if not self.turn(fault.index):
+                    return None  # one before still holds a link, or has not been sent
                 return self._start(fault, sent, job)
             if sent.healed_ts is None and self._heal_due(fault, sent, watch):
-                assert fault.node is not None
-                self.testbed.network.heal(self._host(fault))
+                assert sent.host is not None
+                self.testbed.network.heal(sent.host)
                 sent.healed_ts = time.time()
-                return f"[green]healed[/] node {fault.node}'s link"
+                return f"[green]healed[/] {sent.host}'s link"
         return None
-
-    def _earlier(self, fault: PlannedFault) -> list[Sent]:
-        return [
-            self.sent[f.index]
-            for f in self.faults
-            if f.index < fault.index and f.kind in NETWORK and f.index in self.sent
-        ]
 
     @staticmethod
     def _host(fault: PlannedFault) -> str:
@@ -91,8 +87,14 @@ class NetworkFaults:
             sent.notes.append(f"broker {leader} killed")
             sent.healed_ts = sent.network_ts  # nothing to heal
             return f"[red]SIGKILL[/] broker {leader}, the events' leader"
+        if fault.kind == "broker_partition":
+            leader = self._events_leader(job)
+            sent.host = f"b{leader}"
+            network.cut(sent.host)
+            sent.notes.append(f"broker {leader} cut off")
+            return f"[red]cut[/] broker {leader}, the events' leader, off"
         assert fault.node is not None
-        host = self._host(fault)
+        host = sent.host = self._host(fault)
         if fault.kind in CUT:
             network.cut(host)
             job.lose_node(fault.node)
@@ -124,6 +126,8 @@ class NetworkFaults:
             return False  # its thread heals it
         if fault.kind == "degraded":
             return elapsed > DEGRADED_S
+        if fault.kind == "broker_partition":
+            return elapsed > BROKER_CUT_S
         lost = fault.node is not None and watch.state.node_lost(fault.node)
         if lost and sent.lost_ts is None:
             sent.lost_ts = time.time()

@@ -36,10 +36,12 @@ KINDS: dict[str, str] = {
     "flap": "a node's link down and up, each time for less than the silence limit",
     "degraded": "5 % of a node's packets dropped at random for a while",
     "broker_kill": "SIGKILL the Kafka broker leading the job's events (3 brokers, min ISR 2)",
+    "broker_partition": "cut the broker leading the job's events off the network, then heal it",
 }
 NODE_LOST = ("node_kill", "node0_kill", "partition", "node0_partition", "oneway")  # given up on
 CUT = ("partition", "node0_partition")  # a node cut off both ways
-NETWORK = (*CUT, "oneway", "flap", "degraded", "broker_kill")  # need --netns
+BROKER = ("broker_kill", "broker_partition")  # the events' leader broker, on its own host
+NETWORK = (*CUT, "oneway", "flap", "degraded", *BROKER)  # need --netns
 # A node's link made slow or unsteady, not cut: the straggler policy may replace the node.
 SLOWED = ("flap", "degraded")
 # Kinds that lose a second member during the recovery: they need a replica left to donate.
@@ -76,7 +78,7 @@ class PlannedFault:
     @property
     def failed_ranks(self) -> list[int]:
         """The ranks it makes fail, in order (one incident each)."""
-        if self.kind in IDLE_SPARE_SIGNAL or self.kind in ("flap", "degraded", "broker_kill"):
+        if self.kind in IDLE_SPARE_SIGNAL or self.kind in ("flap", "degraded", *BROKER):
             return []  # a spare holds no rank, the others must cost no incident
         if self.kind in NODE_LOST:
             return list(self.ranks[:1])  # one incident for the whole node, named by its first
@@ -97,7 +99,7 @@ class PlannedFault:
     def describe(self) -> str:
         if self.kind in IDLE_SPARE_SIGNAL:
             return f"an idle spare at step {self.step}"
-        if self.kind == "broker_kill":
+        if self.kind in BROKER:
             return f"the events' leader broker at step {self.step}"
         if self.node is not None:
             direction = f" ({self.traffic} lost)" if self.kind == "oneway" else ""

@@ -43,6 +43,7 @@ class Sent:
     network_ts: float | None = None  # when a network fault began (chaos/network.py)
     lost_ts: float | None = None  # when the job had given its node up
     healed_ts: float | None = None  # when the link was healed (or the fault ended)
+    host: str | None = None  # the testbed host a network fault acts on
     notes: list[str] = field(default_factory=list)
 
 
