@@ -15,6 +15,7 @@ from flashrecovery.records import (
     Heartbeat,
     HeartbeatMissed,
     IsolateRank,
+    NodeMissed,
     RankExited,
     RankFinished,
     RegroupPlanned,
@@ -23,7 +24,7 @@ from flashrecovery.records import (
     StepCompleted,
     Stream,
 )
-from flashrecovery.testing.simworld import SimulatedWorld, drive
+from flashrecovery.testing.simworld import SimulatedNodes, SimulatedWorld, drive
 
 SILENT_LIMIT = 3 * 0.5  # JobStarted default missed_heartbeats x the world's interval
 EPS = 1e-3
@@ -287,3 +288,39 @@ def test_loop_reports_a_silent_rank_once_and_the_engine_isolates_it(
     now[0] += 0.5
     assert engine.detect() == []  # survivors are timed from the regroup on, not before it
     assert len(log.read(Stream.EVENTS, JOB)) == len(events)
+
+
+def test_when_no_node_is_heard_the_log_is_away_and_silence_is_judged_once_it_is_back() -> None:
+    """A broker cut off holds every writer's appends for seconds while the engine's reads
+    come back empty: no node is read, and that is the log's silence, not a node's. Once the
+    nodes are read again, a node still unheard is found a silence limit later."""
+    world = SimulatedNodes(JOB, nodes=2, per_node=2)
+    log, now = MemoryLog(), [world.clock]
+    engine = EngineLoop(log, JOB, clock=lambda: now[0])
+
+    def beat(*nodes: int) -> None:
+        for node in nodes:
+            log.append(Stream.EVENTS, world.beat(node))
+        engine.step(0)
+
+    def missed() -> list[int]:
+        return [
+            r.node for e in log.read(Stream.EVENTS, JOB) if isinstance(r := e.record, NodeMissed)
+        ]
+
+    for record in world.start():
+        log.append(Stream.EVENTS, record)
+    beat(0, 1, 2)
+    last = now[0]
+    now[0] = world.clock = last + 10.0  # ten seconds with no record of any node
+    engine.step(0)
+    engine.detect()
+    assert missed() == []
+    beat(0, 2)  # the log is back; node 1's appends are still held up
+    limit = 3 * world.heartbeat_interval_s
+    now[0] = world.clock = last + 10.0 + limit - EPS
+    beat(0, 2)
+    assert missed() == []
+    now[0] = world.clock = last + 10.0 + limit + 0.5
+    beat(0, 2)
+    assert missed() == [1]

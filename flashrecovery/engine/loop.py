@@ -30,6 +30,7 @@ from flashrecovery.records import (
     Decision,
     EngineLease,
     Envelope,
+    NodeHeartbeat,
     NodeMissed,
     NodeWaitExpired,
     SpareMissed,
@@ -39,6 +40,10 @@ from flashrecovery.statemachines.job import ENDED
 
 log = structlog.get_logger("flashrecovery.engine")
 LOG_STALL_S = 1.0  # a read held up this much longer than asked means the log was away
+# No node's heartbeat read for this many intervals: the log is away for its writers (a broker
+# cut off holds their appends for seconds while this engine's reads just come back empty), so
+# silence proves nothing about any one node until they are read again.
+LOG_QUIET_INTERVALS = 1.5
 
 
 class EngineLoop:
@@ -75,6 +80,7 @@ class EngineLoop:
         self._reported: set[detectors.FindingKey] = set()
         self._log_away = False  # the last attempt to use the log failed
         self._judge_silence_after = 0.0  # see detect()
+        self._beat_read: float | None = None  # when the last NodeHeartbeat was read
         self._stop = threading.Event()
         # Nothing in a step's records needs acting on at once: they are read at the next look
         # (every poll_s) instead of waking the engine for every step on the ranks' cores.
@@ -102,6 +108,8 @@ class EngineLoop:
         """Decide on each entry; the leader appends the decisions not yet written."""
         for entry in entries:
             self.leases.fold(entry.record)
+            if isinstance(entry.record, NodeHeartbeat):
+                self._beat_read = self.clock()
             rejected, faults = self.state.rejected.total(), len(self.state.engine_faults)
             self._due.extend(ingest(self.state, entry))
             if self.state.rejected.total() > rejected:  # counted, explained, and said aloud
@@ -186,15 +194,25 @@ class EngineLoop:
         if not entries:
             self._flush()  # a standby whose predecessor's lease just ran out takes over here
         away = self._log_away or self._events.last_error is not failed_before
-        if away or self.clock() - began > timeout + LOG_STALL_S:
-            # The log was away (an error, or it held this step up): the ranks' beats meanwhile
-            # may be lost or late, so silence is judged afresh, a silence limit from now.
+        if away or self.clock() - began > timeout + LOG_STALL_S or self._log_quiet():
+            # The log was away (an error, it held this step up, or no node is heard): the
+            # beats meanwhile may be lost or late, so silence is judged afresh, a silence
+            # limit after the log is back.
             self._log_away = False
             config = self.state.config
             limit = config.silence_limit_s if config else 0.0
             self._judge_silence_after = self.clock() + limit
         self.detect()
         return count
+
+    def _log_quiet(self) -> bool:
+        """No node's heartbeat read for LOG_QUIET_INTERVALS: every node at once falls silent
+        only when the log does."""
+        config = self.state.config
+        if config is None or self._beat_read is None or self.state.job.state in ENDED:
+            return False
+        quiet_s = LOG_QUIET_INTERVALS * config.heartbeat_interval_s
+        return self.clock() - self._beat_read > quiet_s
 
     # -------------------------------------------------------------- as a service
 
