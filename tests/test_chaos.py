@@ -126,6 +126,9 @@ def test_faults_come_one_at_a_time_a_kill_waits_for_the_link_before_it_to_heal()
     assert not plan.turn(2)
     plan.sent[1].healed_ts = T0 + 8
     plan.release(released)
+    assert released == kills[:1]  # healed, but the job is not past it yet
+    plan.sent[1].settled = True
+    plan.release(released)
     assert released == kills
 
 

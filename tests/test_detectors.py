@@ -316,6 +316,11 @@ def test_when_no_node_is_heard_the_log_is_away_and_silence_is_judged_once_it_is_
     engine.step(0)
     engine.detect()
     assert missed() == []
+    world.clock = last + 0.5
+    beat(0, 1, 2)  # beats held up by the log arrive late: they say nothing of now
+    world.clock = now[0]
+    engine.step(0)
+    assert missed() == []
     beat(0, 2)  # the log is back; node 1's appends are still held up
     limit = 3 * world.heartbeat_interval_s
     now[0] = world.clock = last + 10.0 + limit - EPS

@@ -184,10 +184,11 @@ class Plan:
         return max((f.step for f in self.faults), default=0)
 
     def over(self, fault: PlannedFault) -> bool:
-        """A network fault healed, a kill sent (or missed); the others pace themselves."""
+        """A network fault healed and the job past it, a kill sent (or missed); the others
+        pace themselves."""
         sent = self.sent.get(fault.index)
         if fault.kind in NETWORK:
-            return sent is not None and sent.healed_ts is not None
+            return sent is not None and sent.settled
         if sent is not None and sent.kill is not None:
             return sent.kill.outcome is not KillOutcome.PENDING
         return True

@@ -31,6 +31,7 @@ FLAP_UP_S = 0.6
 DEGRADED_S = 8.0  # a degraded link's length: the engine needs a few intervals of probes
 DEGRADED_PERCENT = 5
 BROKER_CUT_S = 8.0  # a broker cut off this long: fenced by its controllers, then back
+SETTLE_STEPS = 2  # steps committed after a heal before the next fault may come
 CUT_TYPICAL_S = 8.0  # a cut node: given up after its silence limit, healed a second later, margin
 # How long each kind holds its link as a rule: what a run must last beyond its steps' pace.
 LASTS_S = {
@@ -65,12 +66,23 @@ class NetworkFaults:
                 if not self.turn(fault.index):
                     return None  # one before still holds a link, or has not been sent
                 return self._start(fault, sent, job)
+            if sent.healed_ts is not None and not sent.settled:
+                self._settle(sent, watch)
             if sent.healed_ts is None and self._heal_due(fault, sent, watch):
                 assert sent.host is not None
                 self.testbed.network.heal(sent.host)
                 sent.healed_ts = time.time()
                 return f"[green]healed[/] {sent.host}'s link"
         return None
+
+    @staticmethod
+    def _settle(sent: Sent, watch: JobWatch) -> None:
+        """Over once the job commits steps again after the heal: its writes flow again, so
+        the next fault meets a job that got over this one, not one still getting over it."""
+        if sent.healed_step is None:
+            sent.healed_step = watch.committed()
+        elif watch.running and watch.committed() >= sent.healed_step + SETTLE_STEPS:
+            sent.settled = True
 
     @staticmethod
     def _host(fault: PlannedFault) -> str:

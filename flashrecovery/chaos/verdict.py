@@ -44,6 +44,8 @@ class Sent:
     lost_ts: float | None = None  # when the job had given its node up
     healed_ts: float | None = None  # when the link was healed (or the fault ended)
     host: str | None = None  # the testbed host a network fault acts on
+    healed_step: int | None = None  # the job's committed step when it was seen healed
+    settled: bool = False  # healed, and the job committed steps past it: the next may come
     notes: list[str] = field(default_factory=list)
 
 

@@ -40,9 +40,10 @@ from flashrecovery.statemachines.job import ENDED
 
 log = structlog.get_logger("flashrecovery.engine")
 LOG_STALL_S = 1.0  # a read held up this much longer than asked means the log was away
-# No node's heartbeat read for this many intervals: the log is away for its writers (a broker
-# cut off holds their appends for seconds while this engine's reads just come back empty), so
-# silence proves nothing about any one node until they are read again.
+# No fresh node heartbeat (by its own time) read for this many intervals: the log is away for
+# its writers (a broker cut off holds their appends for seconds while this engine's reads just
+# come back empty, then the beats held up arrive late), so silence proves nothing about any
+# one node until fresh ones are read again.
 LOG_QUIET_INTERVALS = 1.5
 
 
@@ -80,7 +81,7 @@ class EngineLoop:
         self._reported: set[detectors.FindingKey] = set()
         self._log_away = False  # the last attempt to use the log failed
         self._judge_silence_after = 0.0  # see detect()
-        self._beat_read: float | None = None  # when the last NodeHeartbeat was read
+        self._freshest_beat: float | None = None  # the newest NodeHeartbeat's own time
         self._stop = threading.Event()
         # Nothing in a step's records needs acting on at once: they are read at the next look
         # (every poll_s) instead of waking the engine for every step on the ranks' cores.
@@ -109,7 +110,7 @@ class EngineLoop:
         for entry in entries:
             self.leases.fold(entry.record)
             if isinstance(entry.record, NodeHeartbeat):
-                self._beat_read = self.clock()
+                self._freshest_beat = max(self._freshest_beat or 0.0, entry.record.ts)
             rejected, faults = self.state.rejected.total(), len(self.state.engine_faults)
             self._due.extend(ingest(self.state, entry))
             if self.state.rejected.total() > rejected:  # counted, explained, and said aloud
@@ -206,13 +207,13 @@ class EngineLoop:
         return count
 
     def _log_quiet(self) -> bool:
-        """No node's heartbeat read for LOG_QUIET_INTERVALS: every node at once falls silent
-        only when the log does."""
+        """No fresh node heartbeat read for LOG_QUIET_INTERVALS: every node at once falls
+        silent only when the log does."""
         config = self.state.config
-        if config is None or self._beat_read is None or self.state.job.state in ENDED:
+        if config is None or self._freshest_beat is None or self.state.job.state in ENDED:
             return False
         quiet_s = LOG_QUIET_INTERVALS * config.heartbeat_interval_s
-        return self.clock() - self._beat_read > quiet_s
+        return self.clock() - self._freshest_beat > quiet_s
 
     # -------------------------------------------------------------- as a service
 
