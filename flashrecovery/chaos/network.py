@@ -77,12 +77,18 @@ class NetworkFaults:
 
     @staticmethod
     def _settle(sent: Sent, watch: JobWatch) -> None:
-        """Over once the job commits steps again after the heal: its writes flow again, so
-        the next fault meets a job that got over this one, not one still getting over it."""
+        """Over once the job commits steps again after the heal and every node still in it
+        is heard from after it: every writer's records flow again (a broker cut off holds some
+        writers' appends seconds longer than others'), so the next fault meets a job that got
+        over this one, not one still getting over it."""
+        assert sent.healed_ts is not None
         if sent.healed_step is None:
             sent.healed_step = watch.committed()
-        elif watch.running and watch.committed() >= sent.healed_step + SETTLE_STEPS:
-            sent.settled = True
+            return
+        nodes = [node for node in watch.state.nodes.values() if not node.lost]
+        heard = all(node.last_heartbeat_ts > sent.healed_ts for node in nodes)
+        progressed = watch.committed() >= sent.healed_step + SETTLE_STEPS
+        sent.settled = watch.running and progressed and heard
 
     @staticmethod
     def _host(fault: PlannedFault) -> str:
