@@ -137,6 +137,21 @@ def add_arguments(parser: argparse.ArgumentParser, faults: int, per_run: int) ->
     parser.add_argument("--kafka", action="store_true")
 
 
+def _state(run: dict[str, Any]) -> str:
+    """OK, or what failed: the checks, and each fault sent but not recovered."""
+    if "error" in run:
+        return "no verdict"
+    if run["ok"]:
+        return "OK"
+    failed = [check for check, held in run["checks"].items() if not held]
+    missed = [
+        f"{row['kind']} ({'; '.join(row['notes']) or 'not recovered'})"
+        for row in run["faults"]
+        if row["sent"] and not row["recovered"]
+    ]
+    return f"FAILED: {', '.join(failed + missed)}"
+
+
 def run_all(
     console: Console, args: argparse.Namespace, more: tuple[str, ...] = ()
 ) -> list[dict[str, Any]]:
@@ -147,8 +162,7 @@ def run_all(
             faults = min(args.per_run, args.faults - index * args.per_run)
             run = chaos(faults, args.seed + index, Path(tmp) / f"run{index}", args, more)
             runs.append(run)
-            state = "no verdict" if "error" in run else ("OK" if run["ok"] else "FAILED")
-            console.print(f"run {index} (seed {run['seed']}): {state} in {run['seconds']:.0f} s")
+            console.print(f"run {index} (seed {run['seed']}): {_state(run)} in {run['seconds']:.0f} s")
     return runs
 
 
