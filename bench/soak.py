@@ -162,7 +162,8 @@ def run_all(
             faults = min(args.per_run, args.faults - index * args.per_run)
             run = chaos(faults, args.seed + index, Path(tmp) / f"run{index}", args, more)
             runs.append(run)
-            console.print(f"run {index} (seed {run['seed']}): {_state(run)} in {run['seconds']:.0f} s")
+            took = f"{run['seconds']:.0f} s"
+            console.print(f"run {index} (seed {run['seed']}): {_state(run)} in {took}")
     return runs
 
 
