@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from enum import StrEnum
 from pathlib import Path
+from typing import Any
 
 from flashrecovery.agent.config import AgentConfig, Endpoint, SpareRefill, StartMethod
 from flashrecovery.errors import ConfigError
@@ -15,6 +17,11 @@ from flashrecovery.trainer_hooks import probe
 from flashrecovery.trainer_hooks.env import GroupRebuild
 
 NODE_RANK_OMITTED = -1  # no --node-rank given: decided by who can host the endpoint
+
+
+def one_of(default: StrEnum) -> dict[str, Any]:
+    """An option's choices and default: the values of ``default``'s enum, and it."""
+    return {"choices": [member.value for member in type(default)], "default": default}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -90,8 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--straggler-policy",
-        choices=[p.value for p in StragglerPolicy],
-        default=StragglerPolicy.REPORT,
+        **one_of(StragglerPolicy.REPORT),
         help="what to do with a node whose link slows the job (its probes to its peers lost or "
         "late while theirs between them are not): name it in the log (report, the default), "
         "or also replace its ranks with spares of other nodes when they can take them all "
@@ -121,8 +127,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--group-rebuild",
-        choices=[m.value for m in GroupRebuild],
-        default=GroupRebuild.FRESH,
+        **one_of(GroupRebuild.FRESH),
         help="how the process groups a script holds (DDP, FSDP2, DeviceMesh) change generation: "
         "a new backend per generation (fresh, the default: lazy gloo, and a new NCCL "
         "communicator bootstrapped by the whole group), or one backend reconfigured in place "
@@ -154,16 +159,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--spare-refill",
-        choices=[m.value for m in SpareRefill],
-        default=SpareRefill.IMMEDIATE,
+        **one_of(SpareRefill.IMMEDIATE),
         help="start a new spare as soon as one is taken (immediate, the default) or once the "
         "recovery that took it is over (after-recovery); a spare that dies or goes silent is "
         "replaced at once either way",
     )
     parser.add_argument(
         "--start-method",
-        choices=[m.value for m in StartMethod],
-        default=StartMethod.FORKSERVER,
+        **one_of(StartMethod.FORKSERVER),
         help="forkserver (the default): every rank and spare is forked from one process per "
         "node that has imported torch already, which starts them in a fraction of a second; "
         "exec: a new interpreter for each, as `python script.py` (seconds of imports each)",

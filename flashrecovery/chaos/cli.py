@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from flashrecovery.agent import netns
+from flashrecovery.agent.launcher import one_of
 from flashrecovery.agent.testbed import Testbed
 from flashrecovery.chaos import schedule
 from flashrecovery.chaos.network import LASTS_S, NetworkFaults
@@ -107,8 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stall-timeout", type=float, default=5.0, metavar="SEC")
     parser.add_argument(
         "--straggler-policy",
-        choices=[p.value for p in StragglerPolicy],
-        default=StragglerPolicy.REPORT,
+        **one_of(StragglerPolicy.REPORT),
         help="the job's --straggler-policy: a degraded node is named (report, the default), or "
         "named and replaced (replace); either way the degraded kind checks it was named",
     )
