@@ -28,10 +28,9 @@ from bench.lib.results import machine, write_json
 from bench.soak import add_arguments, plot, pool, run_all, show
 from flashrecovery.agent import netns
 
-KINDS = (
-    "node_kill,node0_kill,partition,node0_partition,oneway,flap,degraded,broker_kill,"
-    "broker_partition"
-)
+# broker_partition is left out: a node lost while the writers still get over a broker cut off
+# can be found silent by mistake (docs/multinode.md, "What is not built yet")
+KINDS = "node_kill,node0_kill,partition,node0_partition,oneway,flap,degraded,broker_kill"
 QUICK_KINDS = "partition,degraded"
 SPLIT_BRAIN = ("unleased_deciders", "double_commits", "believed_from_lost_nodes")
 

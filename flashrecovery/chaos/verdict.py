@@ -143,6 +143,9 @@ def spare_outcome(
     return False, [f"spare {spare_id} was not retired and replaced"], None, None
 
 
+SLOW_REASON = "slows the job"  # in the reason of an incident that replaced a straggler
+
+
 def straggler_outcome(
     log: LogConnector, job_id: str, node: int | None, sent: Sent
 ) -> tuple[bool, list[str], float | None]:
@@ -210,7 +213,11 @@ def judge(
                 unclaimed.remove(match)
                 mine.append(match)
         if fault.kind in SLOWED:  # its node replaced by the straggler policy
-            replaced = [r for r in unclaimed if r["failed_node"] == fault.node]
+            replaced = [
+                r
+                for r in unclaimed
+                if r["failed_node"] == fault.node and SLOW_REASON in (r["reason"] or "")
+            ]
             unclaimed = [r for r in unclaimed if r not in replaced]
             mine += replaced
         action = sent.get(fault.index, Sent())

@@ -1,8 +1,8 @@
 """The job on nodes with networks of their own (network namespaces, the log on a 3-broker Kafka
 cluster of such hosts), as `flashrecovery chaos --nodes 3 --netns` runs it: node 0 (the meeting
-store's and the deciding engine's host) cut off both ways while its processes run, the broker
-leading the job's events cut off, a link dropping 5 % of its packets, one direction of another
-node's traffic dropped. Every check of the chaos
+store's and the deciding engine's host) cut off both ways while its processes run, one
+direction of another node's traffic dropped, a link dropping 5 % of its packets, the broker
+leading the job's events cut off. Every check of the chaos
 verdict holds: the job completes bitwise equal to a fault-free run, each cut node is given up
 and replaced, the degraded node is named as the cause in the log (its ranks replaced only with
 --straggler-policy replace), replay finds no divergence and no split brain (one engine decided,
@@ -54,10 +54,10 @@ def chaos(tmp_path: Path, kinds: str, faults: int, seed: int, *more: str) -> dic
 def test_node_0_cut_off_the_events_leader_cut_off_one_way_loss_a_degraded_link(
     tmp_path: Path,
 ) -> None:
-    kinds = "node0_partition,broker_partition,degraded,oneway"
-    verdict = chaos(tmp_path, kinds, 4, 2)
+    kinds = "oneway,degraded,node0_partition,broker_partition"
+    verdict = chaos(tmp_path, kinds, 4, 1)
     rows = {r["kind"]: r for r in verdict["faults"]}
-    assert list(rows) == kinds.split(",")  # seed 2 deals them in this order
+    assert list(rows) == kinds.split(",")  # seed 1 deals them in this order
     assert rows["broker_partition"]["incidents"] == []  # the log's fault costs no incident
     for kind in ("node0_partition", "oneway"):
         assert len(rows[kind]["incidents"]) == 1, rows[kind]
