@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -113,23 +114,37 @@ def test_faults_come_one_at_a_time_a_kill_waits_for_the_link_before_it_to_heal()
     plan = Plan.from_args(parser.parse_args([*argv, "--kinds", "degraded,node_kill"]))
     assert [f.kind for f in plan.faults] == ["node_kill", "degraded", "node_kill"]  # seed 0
     kills = [plan.sent[i].kill for i in (0, 2)]
-    released: list[Kill] = []
-    plan.release(released)
-    assert released == kills[:1]
-    plan.release(released)
-    assert released == kills[:1]  # the next waits for this one to be sent
     assert kills[0] is not None
-    kills[0].outcome = KillOutcome.KILLED
-    plan.release(released)
-    assert released == kills[:1]  # and for the degraded link between them to heal
+    watch = Progress(running=True, step=9)
+    released: list[Kill] = []
+    plan.release(released, watch)
+    assert released == kills[:1]
+    plan.release(released, watch)
+    assert released == kills[:1]  # the next waits for this one to be sent
+    kills[0].outcome, kills[0].committed = KillOutcome.KILLED, 9
+    assert not plan.turn(1, watch)  # sent, its recovery not over
+    watch.step = 11
+    assert plan.turn(1, watch)  # the job is 2 steps past it
+    plan.release(released, watch)
+    assert released == kills[:1]  # and the degraded link between them must heal
     plan.sent.setdefault(1, Sent()).network_ts = T0
-    assert not plan.turn(2)
     plan.sent[1].healed_ts = T0 + 8
-    plan.release(released)
+    plan.release(released, watch)
     assert released == kills[:1]  # healed, but the job is not past it yet
     plan.sent[1].settled = True
-    plan.release(released)
+    plan.release(released, watch)
     assert released == kills
+
+
+@dataclass
+class Progress:
+    """What the fault sequencing reads of a job: whether it runs, its committed step."""
+
+    running: bool
+    step: int
+
+    def committed(self) -> int:
+        return self.step
 
 
 def test_an_impossible_kind_is_refused_before_anything_starts(tmp_path: Path) -> None:

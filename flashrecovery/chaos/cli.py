@@ -31,7 +31,7 @@ from flashrecovery.agent import netns
 from flashrecovery.agent.launcher import one_of
 from flashrecovery.agent.testbed import Testbed
 from flashrecovery.chaos import schedule
-from flashrecovery.chaos.network import LASTS_S, NetworkFaults
+from flashrecovery.chaos.network import LASTS_S, SETTLE_STEPS, NetworkFaults
 from flashrecovery.chaos.schedule import (
     IDLE_SPARE_SIGNAL,
     MID_INCIDENT,
@@ -183,28 +183,34 @@ class Plan:
     def last_step(self) -> int:
         return max((f.step for f in self.faults), default=0)
 
-    def over(self, fault: PlannedFault) -> bool:
-        """A network fault healed and the job past it, a kill sent (or missed); the others
-        pace themselves."""
+    def over(self, fault: PlannedFault, watch: JobWatch) -> bool:
+        """A network fault healed and the job past it; a kill sent and the job past it too
+        (or missed); the others pace themselves."""
         sent = self.sent.get(fault.index)
         if fault.kind in NETWORK:
             return sent is not None and sent.settled
-        if sent is not None and sent.kill is not None:
-            return sent.kill.outcome is not KillOutcome.PENDING
-        return True
+        if sent is None or sent.kill is None:
+            return True
+        kill = sent.kill
+        if kill.outcome is KillOutcome.MISSED:
+            return True
+        if kill.outcome is KillOutcome.PENDING or kill.committed is None:
+            return False
+        return watch.running and watch.committed() >= kill.committed + SETTLE_STEPS
 
-    def turn(self, index: int) -> bool:
-        """Whether every fault before ``index`` is over: faults come one at a time, so a link
-        held for seconds does not leave the kills after it to pile onto its recovery."""
-        return all(self.over(f) for f in self.faults if f.index < index)
+    def turn(self, index: int, watch: JobWatch) -> bool:
+        """Whether every fault before ``index`` is over: faults come one at a time, so that
+        each meets a job that got over the one before (a link held for seconds, or a node
+        just lost, must not have the next fault pile onto its recovery)."""
+        return all(self.over(f, watch) for f in self.faults if f.index < index)
 
-    def release(self, kills: list[Kill]) -> None:
+    def release(self, kills: list[Kill], watch: JobWatch) -> None:
         """Hand the killer its next kill once its turn has come (kills stay in order)."""
         for fault in self.faults:
             sent = self.sent.get(fault.index)
             if sent is None or sent.kill is None or sent.kill in kills:
                 continue
-            if self.turn(fault.index):
+            if self.turn(fault.index, watch):
                 kills.append(sent.kill)
             return
 
@@ -470,7 +476,7 @@ def _run_both(
     released: list[Kill] = []  # the killer's, each in its turn
 
     def on_round(launched: LaunchedJob, watch: JobWatch) -> str | None:
-        plan.release(released)
+        plan.release(released, watch)
         said = outside(launched, watch)
         if said is None and faults_of_network is not None:
             said = faults_of_network(launched, watch)

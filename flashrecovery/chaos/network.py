@@ -50,7 +50,7 @@ class NetworkFaults:
     faults: list[PlannedFault]
     sent: dict[int, Sent]
     testbed: Testbed
-    turn: Callable[[int], bool]  # whether every fault before this one is over
+    turn: Callable[[int, JobWatch], bool]  # whether every fault before this one is over
 
     def __call__(self, job: LaunchedJob, watch: JobWatch) -> str | None:
         for fault in self.faults:
@@ -63,7 +63,7 @@ class NetworkFaults:
             if sent.network_ts is None:
                 if watch.committed() < fault.step - 1 or not watch.running:
                     return None  # in order: a later one waits for this one
-                if not self.turn(fault.index):
+                if not self.turn(fault.index, watch):
                     return None  # one before still holds a link, or has not been sent
                 return self._start(fault, sent, job)
             if sent.healed_ts is not None and not sent.settled:
