@@ -4,8 +4,9 @@ store's and the deciding engine's host) cut off both ways while its processes ru
 direction of another node's traffic dropped, a link dropping 5 % of its packets, the broker
 leading the job's events cut off. Every check of the chaos
 verdict holds: the job completes bitwise equal to a fault-free run, each cut node is given up
-and replaced, the degraded node is named as the cause in the log (its ranks replaced only with
---straggler-policy replace), replay finds no divergence and no split brain (one engine decided,
+and replaced, the degraded node is named as the cause in the log and, with --straggler-policy
+replace, replaced (the default, report, is judged by bench.nemesis --quick in CI and by
+tests/test_chaos.py), replay finds no divergence and no split brain (one engine decided,
 one generation committed each step), no record was lost or stored twice, no process and no
 namespace is left."""
 
@@ -51,21 +52,16 @@ def chaos(tmp_path: Path, kinds: str, faults: int, seed: int, *more: str) -> dic
     return verdict
 
 
-def test_node_0_cut_off_the_events_leader_cut_off_one_way_loss_a_degraded_link(
+def test_node_0_and_the_events_leader_cut_off_one_way_loss_a_degraded_node_replaced(
     tmp_path: Path,
 ) -> None:
     kinds = "oneway,degraded,node0_partition,broker_partition"
-    verdict = chaos(tmp_path, kinds, 4, 1)
+    verdict = chaos(tmp_path, kinds, 4, 1, "--straggler-policy", "replace")
     rows = {r["kind"]: r for r in verdict["faults"]}
-    assert list(rows) == kinds.split(",")  # seed 1 deals them in this order
-    assert rows["broker_partition"]["incidents"] == []  # the log's fault costs no incident
-    for kind in ("node0_partition", "oneway"):
+    assert set(rows) == set(kinds.split(","))
+    for kind in ("oneway", "node0_partition"):
         assert len(rows[kind]["incidents"]) == 1, rows[kind]
+    assert rows["broker_partition"]["incidents"] == []  # the log's fault costs no incident
     degraded = rows["degraded"]
-    assert degraded["incidents"] == [] and "named (reported)" in degraded["notes"][0], degraded
-
-
-def test_the_replace_policy_replaces_a_degraded_node(tmp_path: Path) -> None:
-    verdict = chaos(tmp_path, "degraded", 1, 2, "--straggler-policy", "replace")
-    [row] = verdict["faults"]
-    assert len(row["incidents"]) == 1 and "named and replaced" in row["notes"][0], row
+    assert len(degraded["incidents"]) == 1, degraded  # named, then replaced by the policy
+    assert "named and replaced" in degraded["notes"][0], degraded
