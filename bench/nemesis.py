@@ -27,6 +27,8 @@ from rich.console import Console
 from bench.lib.results import machine, write_json
 from bench.soak import add_arguments, plot, pool, run_all, show
 from flashrecovery.agent import netns
+from flashrecovery.agent.launcher import one_of
+from flashrecovery.records import StragglerPolicy
 
 # broker_partition is left out: a node lost while the writers still get over a broker cut off
 # can be found silent by mistake (docs/multinode.md, "What is not built yet")
@@ -48,7 +50,7 @@ def main() -> None:
     add_arguments(parser, faults=50, per_run=5)
     parser.add_argument("--nodes", type=int, default=3)
     parser.add_argument("--kinds", default=KINDS, help=f"default: {KINDS}")
-    parser.add_argument("--straggler-policy", choices=["report", "replace"], default="report")
+    parser.add_argument("--straggler-policy", **one_of(StragglerPolicy.REPORT))
     parser.add_argument(
         "--quick", action="store_true", help=f"one run of two faults: {QUICK_KINDS}"
     )
@@ -62,7 +64,7 @@ def main() -> None:
         sys.exit(0)
     more = (
         *("--nodes", str(args.nodes), "--netns", "--kinds", args.kinds),
-        *("--straggler-policy", args.straggler_policy),
+        *("--straggler-policy", str(args.straggler_policy)),
     )
     runs = run_all(console, args, more)
     pooled = pool(runs)

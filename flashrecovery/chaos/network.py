@@ -3,8 +3,9 @@ a node cut off both ways or in one direction, then healed once the job has given
 agent then sees it was declared lost and ends, its processes with it); a link that flaps
 faster than the silence limit; a link that drops 5 % of its packets for a while; the Kafka
 broker leading the job's events SIGKILLed, or cut off for a while and healed. Each acts once
-the job runs at its step and the network fault before it is over (two on one link at once
-would undo each other's rules)."""
+the job runs at its step and every fault before it is over (chaos/cli.py, Plan.turn): two on
+one link at once would undo each other's rules, and one landing in another's recovery tests
+neither."""
 
 from __future__ import annotations
 

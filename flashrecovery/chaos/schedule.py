@@ -41,9 +41,9 @@ KINDS: dict[str, str] = {
 NODE_LOST = ("node_kill", "node0_kill", "partition", "node0_partition", "oneway")  # given up on
 CUT = ("partition", "node0_partition")  # a node cut off both ways
 BROKER = ("broker_kill", "broker_partition")  # the events' leader broker, on its own host
-NETWORK = (*CUT, "oneway", "flap", "degraded", *BROKER)  # need --netns
 # A node's link made slow or unsteady, not cut: the straggler policy may replace the node.
 SLOWED = ("flap", "degraded")
+NETWORK = (*CUT, "oneway", *SLOWED, *BROKER)  # need --netns
 # Kinds that lose a second member during the recovery: they need a replica left to donate.
 TWO_FAILURES = ("donor", "replacement", "regroup", "group_build")
 OUTSIDE_SIGNAL = {"sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP}
@@ -78,7 +78,7 @@ class PlannedFault:
     @property
     def failed_ranks(self) -> list[int]:
         """The ranks it makes fail, in order (one incident each)."""
-        if self.kind in IDLE_SPARE_SIGNAL or self.kind in ("flap", "degraded", *BROKER):
+        if self.kind in IDLE_SPARE_SIGNAL or self.kind in (*SLOWED, *BROKER):
             return []  # a spare holds no rank, the others must cost no incident
         if self.kind in NODE_LOST:
             return list(self.ranks[:1])  # one incident for the whole node, named by its first
@@ -158,7 +158,7 @@ def draw(
     per_node = nproc // nodes
     for index in range(faults):
         kind = _deal(deck, kinds, alive, rng)
-        if kind in NODE_LOST or kind in ("flap", "degraded"):
+        if kind in NODE_LOST or kind in SLOWED:
             node = _node_for(kind, alive, rng)
             if kind in NODE_LOST:
                 alive.remove(node)
@@ -178,7 +178,7 @@ def draw(
 
 
 NODE0 = ("node0_kill", "node0_partition")
-NODE_KINDS = (*NODE_LOST, "flap", "degraded")  # they act on a node still in the job
+NODE_KINDS = (*NODE_LOST, *SLOWED)  # they act on a node still in the job
 
 
 def _deal(deck: list[str], kinds: list[str], alive: list[int], rng: random.Random) -> str:

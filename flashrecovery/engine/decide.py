@@ -195,16 +195,16 @@ def _score_links(ctx: Context, record: NodeHeartbeat) -> None:
         state.links.clear()  # scored afresh once it runs again
         return
     quiet = links.HEARD_INTERVALS * state.config.heartbeat_interval_s
-    heard = [
-        n.node
-        for n in state.nodes.values()
-        if not n.lost and record.ts - n.last_heartbeat_ts <= quiet
-    ]
+
+    def heard(node: int) -> bool:
+        view = state.nodes.get(node)
+        return view is not None and not view.lost and record.ts - view.last_heartbeat_ts <= quiet
+
     for node in sorted({record.node, *(sample.peer for sample in record.links)}):
         if node in state.stragglers:
             if links.recovered(state.links, node, heard):
                 state.stragglers.discard(node)
-        elif node in heard and (found := links.straggler(state.links, node, heard)):
+        elif heard(node) and (found := links.straggler(state.links, node, heard)):
             _straggler_found(ctx, found)
 
 

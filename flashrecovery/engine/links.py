@@ -10,7 +10,7 @@ does not, is the cause. When every link is bad (the network as a whole) or a job
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import combinations
 
@@ -36,6 +36,7 @@ class LinkBook:
 
     samples: dict[tuple[int, int], deque[tuple[int, int]]] = field(default_factory=dict)
     peers: dict[int, set[int]] = field(default_factory=dict)  # node -> nodes it shares a link with
+    fed: bool = False  # a sample came since the last clear
 
     def add(self, node: int, sample: LinkSample) -> None:
         key = (node, sample.peer)
@@ -44,11 +45,14 @@ class LinkBook:
             self.peers.setdefault(node, set()).add(sample.peer)
             self.peers.setdefault(sample.peer, set()).add(node)
         self.samples[key].append((sample.probes, sample.late))
+        self.fed = True
 
     def clear(self) -> None:
         """Forget every sample (the links measured so far are kept, unmeasured until fed)."""
-        for window in self.samples.values():
-            window.clear()
+        if self.fed:
+            for window in self.samples.values():
+                window.clear()
+            self.fed = False
 
     def tally(self, a: int, b: int) -> tuple[int, int]:
         """Probes and late probes over the window, both directions of the link a-b."""
@@ -64,13 +68,12 @@ class LinkBook:
         return late / probes if probes >= MIN_PROBES else None
 
 
-def straggler(book: LinkBook, node: int, live: Iterable[int]) -> Straggler | None:
+def straggler(book: LinkBook, node: int, live: Callable[[int], bool]) -> Straggler | None:
     """``node`` if every link of it to a live peer is measured and none is good, its probes
     over them all are late at BAD_RATIO or more, and some measured link between two of those
     peers is good; else None. Pooled over its links, a node's share settles within a few
     intervals; one link alone would take many more to tell 10 % from 5 %."""
-    alive = set(live)
-    scored = sorted(p for p in book.peers.get(node, ()) if p in alive and p != node)
+    scored = _live_peers(book, node, live)
     ratios = [book.ratio(node, p) for p in scored]
     if not scored or any(r is None or r < GOOD_RATIO for r in ratios):
         return None
@@ -85,11 +88,14 @@ def straggler(book: LinkBook, node: int, live: Iterable[int]) -> Straggler | Non
     return Straggler(node, round(share, 4), scored)
 
 
-def recovered(book: LinkBook, node: int, live: Iterable[int]) -> bool:
+def recovered(book: LinkBook, node: int, live: Callable[[int], bool]) -> bool:
     """Its probes over its links to live peers are late at under GOOD_RATIO again."""
-    alive = set(live)
-    peers = [p for p in book.peers.get(node, ()) if p in alive and p != node]
-    return _share(book, node, peers) < GOOD_RATIO
+    return _share(book, node, _live_peers(book, node, live)) < GOOD_RATIO
+
+
+def _live_peers(book: LinkBook, node: int, live: Callable[[int], bool]) -> list[int]:
+    """The peers ``node`` shares a probed link with that are live (a few: the probe ring)."""
+    return sorted(p for p in book.peers.get(node, ()) if p != node and live(p))
 
 
 def _share(book: LinkBook, node: int, peers: list[int]) -> float:
