@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -461,8 +462,10 @@ class KafkaCluster:
         return self.bootstrap
 
     def stop(self, keep_data: bool = False) -> None:
-        for broker in self.brokers:
-            broker.stop(keep_data=keep_data)
+        """All at once: stopped one after another, the last ones have lost their controllers'
+        majority and wait out their clean shutdown's bound (30 s) before they are killed."""
+        with ThreadPoolExecutor(len(self.brokers)) as pool:
+            list(pool.map(lambda broker: broker.stop(keep_data=keep_data), self.brokers))
 
     def __enter__(self) -> KafkaCluster:
         self.start()
