@@ -1,17 +1,17 @@
 """A job's log on a 3-broker Kafka cluster (replication factor 3, min.insync.replicas 2,
 acks=all): the leader of its events partition lost in the middle of an incident loses no
 record, stores none twice, and the job goes on to end bitwise equal to a fault-free run.
-Lost two ways: SIGKILLed (its connections reset), or SIGSTOPped for longer than its fencing
-and then resumed (its connections stay open and silent, as a broker cut off the network looks
-to its clients, who must give up on it rather than wait)."""
+Lost two ways: SIGKILLed (its connections reset), or SIGSTOPped until the incident has closed
+without it, then resumed (its connections stay open and silent meanwhile, as a broker cut off
+the network looks to its clients, whose writes must give up on it rather than wait)."""
 
 from __future__ import annotations
 
 import signal
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from kafka_fixture import kafka_url
@@ -52,16 +52,13 @@ def leader_of_events(url: str, job: str) -> int:
     return leader
 
 
-PAUSED_S = 8.0  # a stopped leader is resumed after this long: fenced (3 s) well before
-
-
 @pytest.mark.parametrize("fault", ["killed", "paused"])
 def test_the_partition_leader_lost_mid_incident_loses_no_record(
     tmp_path: Path, reference: torch.Tensor, cluster: KafkaCluster, fault: str
 ) -> None:
     url = kafka_url(cluster.bootstrap)
     lost: list[int] = []
-    resumes: list[threading.Timer] = []
+    paused: list[psutil.Process] = []
 
     def lose_the_leader_once_the_spare_takes_over(record: Envelope, known: Processes) -> bool:
         if record.type != "spare_activated":
@@ -73,10 +70,15 @@ def test_the_partition_leader_lost_mid_incident_loses_no_record(
             broker.process.send_signal(signal.SIGKILL)
         else:
             broker.process.send_signal(signal.SIGSTOP)
-            resume = threading.Timer(PAUSED_S, broker.process.send_signal, [signal.SIGCONT])
-            resume.start()
-            resumes.append(resume)
+            paused.append(broker.process)
         lost.append(leader)
+        return True
+
+    def resume_once_the_incident_closed(record: Envelope, known: Processes) -> bool:
+        if record.type != "incident_closed":
+            return False
+        for process in paused:
+            process.send_signal(signal.SIGCONT)  # back, it rejoins as a follower
         return True
 
     try:
@@ -85,11 +87,11 @@ def test_the_partition_leader_lost_mid_incident_loses_no_record(
             spares=1,
             kill_at={1: 8},
             log_url=url,
-            scenario=[lose_the_leader_once_the_spare_takes_over],
+            scenario=[lose_the_leader_once_the_spare_takes_over, resume_once_the_incident_closed],
         )
     finally:
-        for resume in resumes:
-            resume.join()  # the broker runs again, and its fixture can stop it
+        for process in paused:
+            process.send_signal(signal.SIGCONT)  # also when the test failed: its fixture stops it
     assert lost, "the incident never reached the spare's activation"
     assert_lossless(job, reference, incidents=1)
     assert_survivors_kept(job, failed={1})
