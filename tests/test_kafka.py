@@ -265,13 +265,8 @@ def test_client_settings_reach_kafka_python_untouched() -> None:
         assert config["bootstrap_timeout_ms"] == 2500
     assert (producer["linger_ms"], producer["compression_type"]) == (5, "gzip")
     assert (producer["acks"], producer["enable_idempotence"]) == ("all", True)
-    # kafka-python refuses a delivery timeout below request timeout + linger; a request to a
-    # silent broker is given up sooner than the delivery, and retried on the new leader
+    # kafka-python refuses a delivery timeout below request timeout + linger
     assert producer["delivery_timeout_ms"] >= producer["request_timeout_ms"] + 5
-    assert producer["request_timeout_ms"] == consumer["request_timeout_ms"] == 2500
-    default = KafkaSettings.parse("kafka://k1:9092", {})
-    timeouts = {c: default.config(c)["request_timeout_ms"] for c in ("producer", "consumer")}
-    assert timeouts == {"producer": 3000, "consumer": 10_000}  # a writer leaves a silent broker
     assert consumer["fetch_max_wait_ms"] == 100
     assert "linger_ms" not in consumer and "fetch_max_wait_ms" not in producer
     assert "p&ss" not in redact(url) and "sasl_plain_password=***" in redact(url)

@@ -36,13 +36,6 @@ _CLIENT_DEFAULTS: dict[str, Mapping[str, Any]] = {
     name: client.DEFAULT_CONFIG for name, client in _CLIENTS.items()
 }
 RECONNECT_BACKOFF_MAX_MS = 1000
-# A writer's request to a broker gone silent (cut off, paused: its connection stays open) is
-# given up this soon and sent again to the partition's new leader, inside the same delivery
-# bound (timeout_s). Waiting the whole bound held a node's records back for up to 10 s, long
-# enough for the engine to find a node silent that never was (3 heartbeat intervals). Readers
-# keep the whole bound: kafka-python bounds a lookup of offsets by it, which must outlast a
-# busy broker's answer and a request or two lost to a silent one.
-PRODUCER_REQUEST_TIMEOUT_MS = 3000
 PRODUCER_LINGER_MS = 5
 PRODUCER_BATCH_BYTES = 512 * 1024
 CONSUMER_POLL_RECORDS = 5000
@@ -147,7 +140,6 @@ class KafkaSettings:
             ours |= {
                 "acks": "all",
                 "enable_idempotence": True,
-                "request_timeout_ms": min(bound_ms, PRODUCER_REQUEST_TIMEOUT_MS),
                 "max_block_ms": bound_ms,
                 # kafka-python wants it at least request timeout + linger.
                 "delivery_timeout_ms": bound_ms + linger_ms,
