@@ -114,6 +114,10 @@ class JobStarted(Envelope):
     # in old logs and single-node jobs, whose processes meet where they were launched).
     store: str | None = None
     straggler_policy: StragglerPolicy = StragglerPolicy.REPORT  # absent in old logs: report
+    # How long the log may hold a writer's appends without failing them (Kafka: its request
+    # timeout, as a broker cut off is waited out): a node its peers still hear over their own
+    # links may be silent in the log this much longer before it is lost (absent in old logs: 0).
+    log_hold_s: float = Field(default=0.0, ge=0)
 
     @property
     def nproc_per_node(self) -> int:

@@ -136,6 +136,26 @@ def test_faults_come_one_at_a_time_a_kill_waits_for_the_link_before_it_to_heal()
     assert released == kills
 
 
+def test_a_node_killed_with_its_leader_cut_is_a_kill_then_a_cut_over_once_healed() -> None:
+    """The killer SIGKILLs the node; the cut follows it and holds the next fault until the job
+    got over it; a kill the job never met frees the next at once."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = ["--faults", "2", "--seed", "0", "--nodes", "3", "--netns"]
+    plan = Plan.from_args(parser.parse_args([*argv, "--kinds", "node_kill_leader_cut"]))
+    first = plan.faults[0]
+    assert first.kind == "node_kill_leader_cut" and first.failed_ranks == list(first.ranks[:1])
+    kill = plan.sent[0].kill
+    assert kill is not None and kill.node == first.node and kill.rank is None
+    watch = Progress(running=True, step=20)
+    kill.outcome, kill.committed = KillOutcome.KILLED, 9
+    assert not plan.turn(1, watch)  # killed, its leader not yet cut and healed
+    plan.sent[0].settled = True
+    assert plan.turn(1, watch)
+    plan.sent[0].settled, kill.outcome = False, KillOutcome.MISSED
+    assert plan.turn(1, watch)
+
+
 @dataclass
 class Progress:
     """What the fault sequencing reads of a job: whether it runs, its committed step."""

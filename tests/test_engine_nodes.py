@@ -15,6 +15,7 @@ from flashrecovery.records import (
     Envelope,
     Heartbeat,
     JobStarted,
+    LinkSample,
     NodeHeartbeat,
     NodeJoined,
     NodeMissed,
@@ -22,6 +23,7 @@ from flashrecovery.records import (
     RankExited,
     RankJoined,
     SpareReady,
+    StepCompleted,
 )
 
 INTERVAL = 1.0
@@ -32,7 +34,9 @@ def envelope(ts: float, source: str = "test") -> dict[str, Any]:
     return {"job_id": JOB, "generation": 0, "source": source, "ts": ts}
 
 
-def two_nodes(spare_nodes: int = 0, node_wait_s: float = 30.0) -> tuple[EngineState, int]:
+def two_nodes(
+    spare_nodes: int = 0, node_wait_s: float = 30.0, log_hold_s: float = 0.0
+) -> tuple[EngineState, int]:
     """2 nodes x 2 ranks, one spare on node 0, and ``spare_nodes`` nodes of 2 spares each,
     all joined and running; returns the state and the next log position."""
     nodes = 2 + spare_nodes
@@ -44,6 +48,7 @@ def two_nodes(spare_nodes: int = 0, node_wait_s: float = 30.0) -> tuple[EngineSt
             heartbeat_interval_s=INTERVAL,
             nodes=2,
             node_wait_s=node_wait_s,
+            log_hold_s=log_hold_s,
         ),
         *(
             NodeJoined(
@@ -160,3 +165,48 @@ def test_the_beats_a_node_heartbeat_carries_count_as_the_ranks_own() -> None:
     other = NodeHeartbeat(**envelope(T0 + 7), node=1, pid=4242, beats=[beat])  # an old agent
     feed(state, [other], position + 1)
     assert state.fenced == fenced + 2
+
+
+def peer_beat(ts: float, probes: int, late: int) -> NodeHeartbeat:
+    """Node 0's heartbeat, with what its probes of node 1 saw over the interval."""
+    sample = LinkSample(peer=1, probes=probes, late=late)
+    return NodeHeartbeat(**envelope(ts), node=0, pid=AGENTS[0], links=[sample])
+
+
+def test_a_node_its_peers_still_hear_gets_the_logs_hold_before_it_is_lost() -> None:
+    """Node 1's writer held up by the log (a broker cut off) while node 0's probes of it come
+    back: lost only past the silence limit and the hold; at once when probes fail too."""
+    state, position = two_nodes(log_hold_s=11.0)
+    node_1_last = T0 + 5
+    feed(state, [NodeHeartbeat(**envelope(node_1_last), node=1, pid=AGENTS[1])], position)
+    limit = 3 * INTERVAL
+    feed(state, [peer_beat(T0 + 6, probes=10, late=0), peer_beat(T0 + 7, 0, 0)], position + 1)
+    assert detectors.silent_nodes(state, node_1_last + limit + 0.5) == []
+    assert 1 in [m.node for m in detectors.silent_nodes(state, node_1_last + limit + 11.5)]
+    feed(state, [peer_beat(T0 + 7.5, probes=10, late=10)], position + 3)  # now unheard
+    assert [m.node for m in detectors.silent_nodes(state, node_1_last + limit + 0.5)] == [1]
+
+
+def test_without_a_hold_or_with_a_peer_heard_only_before_it_the_limit_stands() -> None:
+    for hold, heard_at in ((0.0, T0 + 6), (11.0, T0 + 4)):
+        state, position = two_nodes(log_hold_s=hold)
+        feed(state, [peer_beat(heard_at, probes=10, late=1)], position)
+        feed(state, [NodeHeartbeat(**envelope(T0 + 5), node=1, pid=AGENTS[1])], position + 1)
+        assert 1 in [m.node for m in detectors.silent_nodes(state, T0 + 8.5)]
+
+
+def test_a_quiet_nodes_ranks_are_not_suspected_of_stalling_their_peers() -> None:
+    """Ranks 2, 3 behind at step 0 while node 0's are at 1: stragglers, unless their node has
+    gone quiet (its records held up with its beats), whose silence is judged for them."""
+    state, position = two_nodes()
+    progress = T0 + 10
+    steps: list[Envelope] = [
+        *(StepCompleted(**envelope(T0 + 9), rank=r, step=0, duration_s=0.5) for r in range(4)),
+        *(StepCompleted(**envelope(progress), rank=r, step=1, duration_s=0.5) for r in (0, 1)),
+        NodeHeartbeat(**envelope(progress), node=0, pid=AGENTS[0]),
+    ]
+    feed(state, steps, position)
+    stalled = progress + 6.0  # past the 5 s floor
+    assert detectors.stalled_ranks(state, stalled) == []  # node 1 unheard since T0
+    feed(state, [NodeHeartbeat(**envelope(stalled - 0.5), node=1, pid=AGENTS[1])], position + 7)
+    assert [f.rank for f in detectors.stalled_ranks(state, stalled)] == [2, 3]

@@ -9,6 +9,7 @@ from structlog.testing import capture_logs
 
 from flashrecovery.connectors.memory import MemoryLog
 from flashrecovery.engine.loop import EngineLoop
+from flashrecovery.errors import LogError
 from flashrecovery.records import Decision, RankExited, Stream
 from flashrecovery.replay.replayer import replay_job
 from flashrecovery.testing.simworld import SimulatedWorld, drive, scripted_failure
@@ -250,6 +251,44 @@ def test_engine_restart_mid_incident_finishes_with_the_same_decisions(
     drive(log, restarted, world, world.finish())
     final = [e.record for e in log.read(Stream.DECISIONS, JOB)]
     assert final == reference
+    assert replay_job(log, JOB).ok
+
+
+class AckLostLog(MemoryLog):
+    """A log that stores the first batch of decisions and then fails the append, as a broker
+    cut off after it replicated the batch leaves its writer unanswered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lose_ack = True
+
+    def append_raw_many(
+        self, stream: Stream, job_id: str, raws: list[bytes], *, routine: bool = False
+    ) -> list[int]:
+        positions = super().append_raw_many(stream, job_id, raws, routine=routine)
+        if stream == Stream.DECISIONS and self.lose_ack:
+            self.lose_ack = False
+            raise LogError("no answer from the broker within the request timeout")
+        return positions
+
+
+def test_decisions_stored_but_unacknowledged_are_not_written_again() -> None:
+    reference = scripted_failure(MemoryLog(), JOB)
+    log = AckLostLog()
+    world = SimulatedWorld(JOB)
+    engine = EngineLoop(log, JOB)
+    drive(log, engine, world, world.start())
+    drive(log, engine, world, world.train(3))
+    with pytest.raises(LogError, match="request timeout"):
+        drive(log, engine, world, [world.kill(2)])
+    engine.apply([])  # the log is back: what is due is written, unless it is there already
+    written = [e.record for e in log.read(Stream.DECISIONS, JOB)]
+    assert written == reference[: len(written)]  # nothing twice
+    unanswered = written[world.answered :]
+    drive(log, engine, world, [r for d in unanswered for r in world.react(d)])  # type: ignore[arg-type]
+    drive(log, engine, world, world.train(2))
+    drive(log, engine, world, world.finish())
+    assert [e.record for e in log.read(Stream.DECISIONS, JOB)] == reference
     assert replay_job(log, JOB).ok
 
 

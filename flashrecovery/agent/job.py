@@ -257,6 +257,7 @@ class Agent:
                 heartbeat_interval_s=config.heartbeat_interval_s,
                 stall_floor_s=config.stall_floor_s,
                 straggler_policy=config.straggler_policy,
+                log_hold_s=self._log.write_hold_s,
                 max_replacements=config.max_replacements,
                 max_incidents=config.max_incidents,
                 nodes=config.nnodes,

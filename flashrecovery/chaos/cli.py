@@ -164,7 +164,7 @@ class Plan:
             # Sent two steps before the next fault at the latest, ready spare or not: a kill
             # that waited longer would take the next fault's process with it.
             last = None if after is None else max(after.step - 2, fault.step - 1)
-            if fault.kind in ("node_kill", "node0_kill"):
+            if fault.kind in schedule.NODE_KILLS:
                 kill = Kill(None, fault.step, node=fault.node, spare_wait_until=last)
                 plan.sent[fault.index] = Sent(kill=kill)
             elif fault.kind in OUTSIDE_SIGNAL or fault.kind in MID_INCIDENT:
@@ -187,12 +187,12 @@ class Plan:
         """A network fault healed and the job past it; a kill sent and the job past it too
         (or missed); the others pace themselves."""
         sent = self.sent.get(fault.index)
+        kill = None if sent is None else sent.kill
+        if kill is not None and kill.outcome is KillOutcome.MISSED:
+            return True
         if fault.kind in NETWORK:
             return sent is not None and sent.settled
-        if sent is None or sent.kill is None:
-            return True
-        kill = sent.kill
-        if kill.outcome is KillOutcome.MISSED:
+        if kill is None:
             return True
         if kill.outcome is KillOutcome.PENDING or kill.committed is None:
             return False

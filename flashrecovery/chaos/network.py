@@ -2,7 +2,8 @@
 a node cut off both ways or in one direction, then healed once the job has given it up (its
 agent then sees it was declared lost and ends, its processes with it); a link that flaps
 faster than the silence limit; a link that drops 5 % of its packets for a while; the Kafka
-broker leading the job's events SIGKILLed, or cut off for a while and healed. Each acts once
+broker leading the job's events SIGKILLed, or cut off for a while and healed (alone, or the
+moment a node is SIGKILLed, so that the node is lost while the writers are held up). Each acts once
 the job runs at its step and every fault before it is over (chaos/cli.py, Plan.turn): two on
 one link at once would undo each other's rules, and one landing in another's recovery tests
 neither."""
@@ -21,7 +22,7 @@ from flashrecovery.chaos.schedule import CUT, NETWORK, SLOWED, PlannedFault
 from flashrecovery.chaos.verdict import Sent
 from flashrecovery.connectors.kafka import KafkaSettings
 from flashrecovery.demo.job import LaunchedJob
-from flashrecovery.demo.watch import JobWatch
+from flashrecovery.demo.watch import JobWatch, KillOutcome
 from flashrecovery.records import Stream
 
 HEAL_AFTER_LOST_S = 1.0  # a node given up on is healed this long after (it sees it, and ends)
@@ -32,6 +33,7 @@ FLAP_UP_S = 0.6
 DEGRADED_S = 15.0  # a degraded link's length: the engine needs a few intervals of probes
 DEGRADED_PERCENT = 5
 BROKER_CUT_S = 8.0  # a broker cut off this long: fenced by its controllers, then back
+LEADER_CUT = ("broker_partition", "node_kill_leader_cut")  # the events' leader cut off
 SETTLE_STEPS = 2  # steps committed after a heal before the next fault may come
 CUT_TYPICAL_S = 8.0  # a cut node: given up after its silence limit, healed a second later, margin
 # How long each kind holds its link as a rule: what a run must last beyond its steps' pace.
@@ -43,6 +45,7 @@ LASTS_S = {
     "degraded": DEGRADED_S,
     "broker_kill": 0.0,
     "broker_partition": BROKER_CUT_S,
+    "node_kill_leader_cut": BROKER_CUT_S,
 }
 
 
@@ -62,7 +65,10 @@ class NetworkFaults:
             if fault.kind in SLOWED and node is not None and watch.state.node_lost(node):
                 job.lose_node(node)  # replaced by the straggler policy: its end is not the job's
             if sent.network_ts is None:
-                if watch.committed() < fault.step - 1 or not watch.running:
+                if fault.kind == "node_kill_leader_cut":
+                    if sent.kill is None or sent.kill.outcome is not KillOutcome.KILLED:
+                        return None  # the node first (the killer's), then its leader cut
+                elif watch.committed() < fault.step - 1 or not watch.running:
                     return None  # in order: a later one waits for this one
                 if not self.turn(fault.index, watch):
                     return None  # one before still holds a link, or has not been sent
@@ -106,7 +112,7 @@ class NetworkFaults:
             sent.notes.append(f"broker {leader} killed")
             sent.healed_ts = sent.network_ts  # nothing to heal
             return f"[red]SIGKILL[/] broker {leader}, the events' leader"
-        if fault.kind == "broker_partition":
+        if fault.kind in LEADER_CUT:
             leader = self._events_leader(job)
             sent.host = f"b{leader}"
             network.cut(sent.host)
@@ -145,7 +151,7 @@ class NetworkFaults:
             return False  # its thread heals it
         if fault.kind == "degraded":
             return elapsed > DEGRADED_S
-        if fault.kind == "broker_partition":
+        if fault.kind in LEADER_CUT:
             return elapsed > BROKER_CUT_S
         lost = fault.node is not None and watch.state.node_lost(fault.node)
         if lost and sent.lost_ts is None:

@@ -37,13 +37,18 @@ KINDS: dict[str, str] = {
     "degraded": "5 % of a node's packets dropped at random for a while",
     "broker_kill": "SIGKILL the Kafka broker leading the job's events (3 brokers, min ISR 2)",
     "broker_partition": "cut the broker leading the job's events off the network, then heal it",
+    "node_kill_leader_cut": (
+        "SIGKILL a node's agent, and at once cut the events' leader broker off, then heal it "
+        "(the node is lost while the writers are held up)"
+    ),
 }
-NODE_LOST = ("node_kill", "node0_kill", "partition", "node0_partition", "oneway")  # given up on
+NODE_KILLS = ("node_kill", "node0_kill", "node_kill_leader_cut")  # the killer SIGKILLs a node
+NODE_LOST = (*NODE_KILLS, "partition", "node0_partition", "oneway")  # given up on
 CUT = ("partition", "node0_partition")  # a node cut off both ways
 BROKER = ("broker_kill", "broker_partition")  # the events' leader broker, on its own host
 # A node's link made slow or unsteady, not cut: the straggler policy may replace the node.
 SLOWED = ("flap", "degraded")
-NETWORK = (*CUT, "oneway", *SLOWED, *BROKER)  # need --netns
+NETWORK = (*CUT, "oneway", *SLOWED, *BROKER, "node_kill_leader_cut")  # need --netns
 # Kinds that lose a second member during the recovery: they need a replica left to donate.
 TWO_FAILURES = ("donor", "replacement", "regroup", "group_build")
 OUTSIDE_SIGNAL = {"sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP}

@@ -68,19 +68,21 @@ def _takeover_s(log: LogConnector, job_id: str, sent: Sent) -> float | None:
     return None
 
 
-def _records(log: LogConnector, job_id: str, nproc: int, steps: int) -> dict[str, int]:
-    """Records stored twice (one id at two positions), and each rank's step records: a step
-    committed with no record of it (lost), or recorded twice."""
-    ids = [
-        e.record.record_id
-        for stream in (Stream.EVENTS, Stream.DECISIONS)
-        for e in log.read(stream, job_id)
-        if e.record is not None
-    ]
+def _records(log: LogConnector, job_id: str, nproc: int, steps: int) -> dict[str, Any]:
+    """Records stored twice (one id at two positions: which, where, by whom), and each rank's
+    step records: a step committed with no record of it (lost), or recorded twice."""
+    seen: dict[str, list[str]] = {}
+    for stream in (Stream.EVENTS, Stream.DECISIONS):
+        for e in log.read(stream, job_id):
+            if e.record is not None:
+                where = f"{stream}@{e.position} {e.record.type} from {e.record.source}"
+                seen.setdefault(e.record.record_id, []).append(where)
+    twice = {rid: at for rid, at in seen.items() if len(at) > 1}
     curve = loss_curve(step_losses(log, job_id), nproc, steps)
     return {
-        "records": len(ids),
-        "duplicate_record_ids": len(ids) - len(set(ids)),
+        "records": sum(len(at) for at in seen.values()),
+        "duplicate_record_ids": sum(len(at) - 1 for at in twice.values()),
+        "stored_twice": dict(list(twice.items())[:10]),
         "step_records_missing": sum(len(v) for v in curve["gaps"].values()),
         "step_records_duplicated": sum(len(v) for v in curve["duplicates"].values()),
     }
@@ -255,7 +257,7 @@ def judge(
             recovered = (named or fault.kind == "flap") and len(mine) <= 1
             recovered = recovered and all(r["state"] == IncidentState.CLOSED for r in mine)
             notes += said if named or fault.kind == "degraded" else []
-        if action.network_ts is not None and mine:  # from the moment the link failed
+        if action.network_ts is not None and mine and kill is None:  # from the link's failure
             detection = mine[0]["detected_ts"] - action.network_ts
             rtos = [
                 None if r["closed_ts"] is None else r["closed_ts"] - action.network_ts for r in mine

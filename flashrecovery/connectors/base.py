@@ -42,6 +42,12 @@ class LogConnector(ABC):
     def __init__(self) -> None:
         self._chains = ChainWriter()
 
+    @property
+    def write_hold_s(self) -> float:
+        """How long an append may be held up by the log itself (a server it waits out) before
+        it fails: the engine gives a writer its peers still hear that much longer."""
+        return 0.0
+
     def append(self, stream: Stream, record: Envelope) -> int:
         """Store the record durably, linked into its writer's hash chain; return its position."""
         return self._chains.append(stream, record, self.append_raw)

@@ -273,6 +273,12 @@ class KafkaLog(LogConnector):
                 self._consumers.append(consumer)
         return consumer
 
+    @property
+    def write_hold_s(self) -> float:
+        """A request to a broker cut off is waited out for the request timeout, then sent to
+        the partition's new leader; the wait and the metadata refresh together (a second)."""
+        return self.settings.timeout_s + 1.0
+
     @classmethod
     def from_url(cls, url: str, *, read_only: bool = False) -> KafkaLog:
         return cls(url, KafkaSettings.parse(url), read_only=read_only)

@@ -28,6 +28,7 @@ from flashrecovery.records import (
     JobFinished,
     JobOutcome,
     JobStarted,
+    LinkSample,
     NodeHeartbeat,
     NodeJoined,
     NodeMissed,
@@ -181,8 +182,21 @@ def _node_heartbeat(ctx: Context, record: NodeHeartbeat) -> None:
             state.reject(f"{beat.type} in {record.type}: {exc}")
     for sample in record.links:
         state.links.add(record.node, sample)
+        _peer_heard(state, sample, record.ts)
     if record.links:
         _score_links(ctx, record)
+
+
+def _peer_heard(state: EngineState, sample: LinkSample, ts: float) -> None:
+    """Whether a peer's probes of the node came back this interval (detectors.silent_nodes
+    gives a node its peers still hear the log's hold on top of its silence limit)."""
+    view = state.nodes.get(sample.peer)
+    if view is None or not sample.probes:
+        return
+    if sample.late < sample.probes:
+        view.heard_by_peer_ts = max(view.heard_by_peer_ts or ts, ts)
+    else:
+        view.unheard_by_peer_ts = max(view.unheard_by_peer_ts or ts, ts)
 
 
 def _score_links(ctx: Context, record: NodeHeartbeat) -> None:

@@ -77,8 +77,10 @@ def _node_quiet(state: EngineState, node: int, now: float) -> bool:
 
 def silent_nodes(state: EngineState, now: float) -> list[NodeMissed]:
     """Agents with no heartbeat for missed_heartbeats x interval (the host gone, the agent
-    SIGKILLed or SIGSTOPped): each loses its whole node at once. Once a rank has finished, the
-    job is ending and agents leave as their ranks are done: silence is no loss then."""
+    SIGKILLed or SIGSTOPped): each loses its whole node at once; one its peers still hear over
+    their own links gets the log's hold on top (its writer held up by a broker cut off, say).
+    Once a rank has finished, the job is ending and agents leave as their ranks are done:
+    silence is no loss then."""
     config = state.config
     if config is None or state.job.state in (*ENDED, JobState.FALLBACK):
         return []
@@ -93,7 +95,8 @@ def silent_nodes(state: EngineState, now: float) -> list[NodeMissed]:
             silent_s=round(now - node.last_heartbeat_ts, 6),
         )
         for node in sorted(state.nodes.values(), key=lambda n: n.node)
-        if not node.lost and now - node.last_heartbeat_ts > limit
+        if not node.lost
+        and now - node.last_heartbeat_ts > limit + (config.log_hold_s if node.vouched_for() else 0)
     ]
 
 
@@ -116,7 +119,9 @@ def node_wait_over(state: EngineState, now: float) -> list[NodeWaitExpired]:
 def stalled_ranks(state: EngineState, now: float) -> list[StallSuspected]:
     """While the job makes no step progress for max(k x median step, floor), suspect the ranks
     that hold the others up: those outside commit() while a peer waits inside it, and those
-    behind their peers. One finding per window: a rank still stalled a window later fails."""
+    behind their peers; not those of a node gone quiet (its records held up with its beats,
+    or the node gone: silent_nodes judges it). One finding per window: a rank still stalled a
+    window later fails."""
     config = state.config
     if config is None or state.job.state != JobState.RUNNING:
         return []
@@ -141,7 +146,8 @@ def stalled_ranks(state: EngineState, now: float) -> list[StallSuspected]:
             window_s=round(window, 6),
         )
         for rank, view in sorted(watched.items())
-        if view.committed_step < top or (peers_wait and not view.waiting)
+        if (view.committed_step < top or (peers_wait and not view.waiting))
+        and not _node_quiet(state, view.node, now)  # its node's silence is judged for it
     ]
 
 

@@ -136,7 +136,13 @@ class EngineLoop:
             self._leading = True
         batch = [d for d in self._due if d.record_id not in self._written]
         if batch and self.is_leader():
-            self.log.append_many(Stream.DECISIONS, batch)  # one commit for a catch-up's worth
+            try:
+                self.log.append_many(Stream.DECISIONS, batch)  # one commit for a catch-up's worth
+            except LogError:
+                # Stored or not is unknown (a broker cut off may have kept it): the log says
+                # which before they are written again, or they would be stored twice.
+                self._leading = False
+                raise
             for decision in batch:
                 self._written.add(decision.record_id)
                 log.info(

@@ -84,6 +84,20 @@ class NodeView:
     store: str | None = None  # the store its agent hosts (a multi-node job's)
     presence: str | None = None  # where its agent can be watched from (agent/presence.py)
     probe: str | None = None  # where its agent answers link probes (agent/link_probe.py)
+    # The newest peer heartbeats whose probes of it came back, and did not: heard by a peer
+    # after the log last heard it, its silence there is its writer held up, not the node gone.
+    heard_by_peer_ts: float | None = None
+    unheard_by_peer_ts: float | None = None
+
+    def vouched_for(self) -> bool:
+        """A peer heard it over their own link after its last heartbeat reached the log, and
+        no peer's later probes failed."""
+        heard = self.heard_by_peer_ts
+        return (
+            heard is not None
+            and heard > self.last_heartbeat_ts
+            and heard > (self.unheard_by_peer_ts or 0.0)
+        )
 
 
 @dataclass
