@@ -229,28 +229,40 @@ class CrashingLog(MemoryLog):
 def test_engine_restart_mid_incident_finishes_with_the_same_decisions(
     written_before_crash: int,
 ) -> None:
-    reference = scripted_failure(MemoryLog(), JOB)
-
     log = CrashingLog(written_before_crash)
-    world = SimulatedWorld(JOB)
-    engine = EngineLoop(log, JOB)
-    drive(log, engine, world, world.start())
-    drive(log, engine, world, world.train(3))
-    with pytest.raises(RuntimeError, match="engine killed"):
-        drive(log, engine, world, [world.kill(2)])
+    world, _ = fail_mid_incident(log, RuntimeError, "engine killed")
     assert len(log.read(Stream.DECISIONS, JOB)) == written_before_crash
 
     log.budget = -1  # the new engine's appends succeed
     restarted = EngineLoop(log, JOB)
     restarted.catch_up()
+    finishes_as_the_reference(log, restarted, world)
+
+
+def fail_mid_incident(
+    log: MemoryLog, error: type[Exception], match: str
+) -> tuple[SimulatedWorld, EngineLoop]:
+    """Train 3 steps, then kill rank 2: the engine's append of its decisions fails."""
+    world = SimulatedWorld(JOB)
+    engine = EngineLoop(log, JOB)
+    drive(log, engine, world, world.start())
+    drive(log, engine, world, world.train(3))
+    with pytest.raises(error, match=match):
+        drive(log, engine, world, [world.kill(2)])
+    return world, engine
+
+
+def finishes_as_the_reference(log: MemoryLog, engine: EngineLoop, world: SimulatedWorld) -> None:
+    """The decisions in the log so far are the fault-free engine's, none twice; answered, the
+    job ends with exactly its decisions, and replay agrees."""
+    reference = scripted_failure(MemoryLog(), JOB)
     written = [e.record for e in log.read(Stream.DECISIONS, JOB)]
     assert written == reference[: len(written)]  # nothing lost, nothing twice
     unanswered = written[world.answered :]
-    drive(log, restarted, world, [r for d in unanswered for r in world.react(d)])  # type: ignore[arg-type]
-    drive(log, restarted, world, world.train(2))
-    drive(log, restarted, world, world.finish())
-    final = [e.record for e in log.read(Stream.DECISIONS, JOB)]
-    assert final == reference
+    drive(log, engine, world, [r for d in unanswered for r in world.react(d)])  # type: ignore[arg-type]
+    drive(log, engine, world, world.train(2))
+    drive(log, engine, world, world.finish())
+    assert [e.record for e in log.read(Stream.DECISIONS, JOB)] == reference
     assert replay_job(log, JOB).ok
 
 
@@ -273,23 +285,10 @@ class AckLostLog(MemoryLog):
 
 
 def test_decisions_stored_but_unacknowledged_are_not_written_again() -> None:
-    reference = scripted_failure(MemoryLog(), JOB)
     log = AckLostLog()
-    world = SimulatedWorld(JOB)
-    engine = EngineLoop(log, JOB)
-    drive(log, engine, world, world.start())
-    drive(log, engine, world, world.train(3))
-    with pytest.raises(LogError, match="request timeout"):
-        drive(log, engine, world, [world.kill(2)])
+    world, engine = fail_mid_incident(log, LogError, "request timeout")
     engine.apply([])  # the log is back: what is due is written, unless it is there already
-    written = [e.record for e in log.read(Stream.DECISIONS, JOB)]
-    assert written == reference[: len(written)]  # nothing twice
-    unanswered = written[world.answered :]
-    drive(log, engine, world, [r for d in unanswered for r in world.react(d)])  # type: ignore[arg-type]
-    drive(log, engine, world, world.train(2))
-    drive(log, engine, world, world.finish())
-    assert [e.record for e in log.read(Stream.DECISIONS, JOB)] == reference
-    assert replay_job(log, JOB).ok
+    finishes_as_the_reference(log, engine, world)
 
 
 def test_rank_lost_after_the_last_step_closes_its_incident_when_all_finish() -> None:
