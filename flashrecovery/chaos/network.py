@@ -3,10 +3,10 @@ a node cut off both ways or in one direction, then healed once the job has given
 agent then sees it was declared lost and ends, its processes with it); a link that flaps
 faster than the silence limit; a link that drops 5 % of its packets for a while; the Kafka
 broker leading the job's events SIGKILLed, or cut off for a while and healed (alone, or the
-moment a node is SIGKILLed, so that the node is lost while the writers are held up). Each acts once
-the job runs at its step and every fault before it is over (chaos/cli.py, Plan.turn): two on
-one link at once would undo each other's rules, and one landing in another's recovery tests
-neither."""
+moment a node is SIGKILLed, so that the node is lost while the writers are held up). Each
+acts once the job runs at its step and every fault before it is over (chaos/cli.py,
+Plan.turn): two on one link at once would undo each other's rules, and one landing in
+another's recovery tests neither."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from flashrecovery.agent.netns import Direction
 from flashrecovery.agent.testbed import Testbed
-from flashrecovery.chaos.schedule import CUT, NETWORK, SLOWED, PlannedFault
+from flashrecovery.chaos.schedule import CUT, LEADER_CUT, NETWORK, SLOWED, PlannedFault
 from flashrecovery.chaos.verdict import Sent
 from flashrecovery.connectors.kafka import KafkaSettings
 from flashrecovery.demo.job import LaunchedJob
@@ -33,7 +33,6 @@ FLAP_UP_S = 0.6
 DEGRADED_S = 15.0  # a degraded link's length: the engine needs a few intervals of probes
 DEGRADED_PERCENT = 5
 BROKER_CUT_S = 8.0  # a broker cut off this long: fenced by its controllers, then back
-LEADER_CUT = ("broker_partition", "node_kill_leader_cut")  # the events' leader cut off
 SETTLE_STEPS = 2  # steps committed after a heal before the next fault may come
 CUT_TYPICAL_S = 8.0  # a cut node: given up after its silence limit, healed a second later, margin
 # How long each kind holds its link as a rule: what a run must last beyond its steps' pace.

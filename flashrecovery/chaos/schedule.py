@@ -46,9 +46,10 @@ NODE_KILLS = ("node_kill", "node0_kill", "node_kill_leader_cut")  # the killer S
 NODE_LOST = (*NODE_KILLS, "partition", "node0_partition", "oneway")  # given up on
 CUT = ("partition", "node0_partition")  # a node cut off both ways
 BROKER = ("broker_kill", "broker_partition")  # the events' leader broker, on its own host
+LEADER_CUT = ("broker_partition", "node_kill_leader_cut")  # the events' leader cut off
 # A node's link made slow or unsteady, not cut: the straggler policy may replace the node.
 SLOWED = ("flap", "degraded")
-NETWORK = (*CUT, "oneway", *SLOWED, *BROKER, "node_kill_leader_cut")  # need --netns
+NETWORK = (*CUT, "oneway", *SLOWED, "broker_kill", *LEADER_CUT)  # need --netns
 # Kinds that lose a second member during the recovery: they need a replica left to donate.
 TWO_FAILURES = ("donor", "replacement", "regroup", "group_build")
 OUTSIDE_SIGNAL = {"sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP}
