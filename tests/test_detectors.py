@@ -131,6 +131,25 @@ def test_ranks_in_a_recovery_are_watched_from_the_regroup_on(world: SimulatedWor
     assert [r.rank for r in detectors.silent_ranks(state, kill.ts + SILENT_LIMIT + EPS)] == [2]
 
 
+def test_a_survivor_the_plan_has_not_reached_beats_on_in_its_old_generation(
+    world: SimulatedWorld,
+) -> None:
+    """An engine taking over the lease writes the regroup it decided seconds after its cause
+    (the one deciding before was lost first): until the plan reaches them, the survivors beat
+    in the generation they are in. Those beats prove them alive (and nothing else): they are
+    not given up for a silence that was the engines'."""
+    state, _ = silent_rank_2(world)
+    kill = world.kill(1)
+    feed(state, [kill], state.position + 1)
+    assert state.generation == 1 and world.generation == 0
+    fenced = state.fenced
+    apply(state, heartbeats(world, [0, 2, 3], kill.ts + 2.0))
+    assert state.fenced == fenced + 3  # still fenced: their step and wait are not believed
+    assert detectors.silent_ranks(state, kill.ts + SILENT_LIMIT + EPS) == []
+    found = detectors.silent_ranks(state, kill.ts + 2.0 + SILENT_LIMIT + EPS)
+    assert [r.rank for r in found] == [0, 2, 3]  # still watched: silent again, found again
+
+
 def test_a_fresh_replacement_has_a_start_up_grace() -> None:
     state = running_job(SimulatedWorld(JOB, world_size=2, spares=0), steps=1)
     config = state.config

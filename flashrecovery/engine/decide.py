@@ -106,6 +106,8 @@ def _apply(ctx: Context) -> None:
     if rank is not None and rank not in state.ranks:
         raise Rejected(f"rank {rank} is outside the world of {state.world_size}")
     if isinstance(record, FENCED_TYPES) and record.generation < state.generation:
+        if isinstance(record, Heartbeat):
+            _beat_before_the_plan(state, record)
         state.fenced += 1
         return
     if isinstance(record, FENCED_TYPES) and record.generation > state.generation:
@@ -321,6 +323,15 @@ def _heartbeat(ctx: Context, record: Heartbeat) -> None:
     state.set_waiting(record.rank, record.waiting)
     if not _stalled_by(state, view):
         recovery.clear_suspicion(ctx, view)
+
+
+def _beat_before_the_plan(state: EngineState, record: Heartbeat) -> None:
+    """A member the new generation's plan has not reached yet (an engine taking over wrote it
+    late, or the log held it) still lives: its beat times its silence, and says nothing else
+    (its step and wait belong to the generation it is leaving)."""
+    view = state.ranks[record.rank]
+    if view.pid == record.pid and view.machine.state in ALIVE:
+        state.heard_from(record.rank, record.ts)
 
 
 def _stalled_by(state: EngineState, view: RankView) -> bool:

@@ -83,6 +83,7 @@ def run_nodes(
                 codes[CONTROL] = None
     finally:
         nodes.teardown()
+        _say_what_agents_said(tmp_path / "output")
     code = codes.get(0)
     job = JobResult(-1 if code is None else code, log, nodes.job_id, out)
     ours = {*job.pids(), *(a.pid for a in nodes.agents.values())}
@@ -91,6 +92,16 @@ def run_nodes(
     left = [pid for pid in ours if _alive(pid)]
     assert not left, f"processes of the job still running: {left}"
     return job, codes
+
+
+def _say_what_agents_said(output: Path) -> None:
+    """Each agent's and the control plane's own lines (why it ended, if it failed) go to
+    the test's output, shown when the test fails."""
+    for path in sorted(output.glob("*.log")):
+        text = path.read_text(errors="replace").replace("flashrecovery:", "\nflashrecovery:")
+        for line in text.splitlines():
+            if line.startswith("flashrecovery:"):
+                print(f"{path.stem}: {line}")
 
 
 def _opened(nodes: LoopbackNodes, deadline: float) -> LogConnector:
