@@ -101,6 +101,31 @@ def test_a_lost_node_is_one_incident_its_ranks_replaced_together_on_the_spare_no
     assert lose_node_1(state, position + 1) == []  # reported twice: one incident all the same
 
 
+def test_what_a_lost_nodes_agent_says_of_its_processes_exits_is_fenced() -> None:
+    """Nodes 1 (two ranks) and 2 (two spares) given up on: their agents, cut off and back,
+    report their old processes' exits (they end them on seeing they were given up). Fenced,
+    like all a lost node writes: its ranks and spares were given up with it."""
+    state, position = two_nodes(spare_nodes=1)
+    lose_node_1(state, position)
+    missed = NodeMissed(**envelope(T0 + 10, "detector"), node=2, last_seen_ts=T0 + 6, silent_s=4)
+    feed(state, [missed], position + 1)
+    before = ({r: state.ranks[r].machine.state for r in range(4)}, state.generation)
+    fenced = state.fenced
+    late = [
+        *(
+            RankExited(**envelope(T0 + 12, "agent:1"), rank=r, pid=1000 + r, signal=9, node=1)
+            for r in (2, 3)
+        ),
+        *(
+            RankExited(**envelope(T0 + 12, "agent:2"), spare_id=s, pid=2000 + s, signal=9, node=2)
+            for s in (1, 2)
+        ),
+    ]
+    assert feed(state, late, position + 2) == []
+    assert state.fenced == fenced + 4
+    assert ({r: state.ranks[r].machine.state for r in range(4)}, state.generation) == before
+
+
 def test_with_one_spare_left_the_other_rank_waits_for_a_node_that_brings_one() -> None:
     state, position = two_nodes()
     decisions = lose_node_1(state, position)

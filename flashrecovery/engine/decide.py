@@ -365,6 +365,11 @@ def _step_completed(ctx: Context, record: StepCompleted) -> None:
 
 def _rank_exited(ctx: Context, record: RankExited) -> None:
     state = ctx.state
+    if state.node_lost(record.node):
+        # Its ranks and spares were given up with it; its agent, cut off and back, ends them
+        # and says so: nothing to act on (replay's consistency check counts it as fenced).
+        state.fenced += 1
+        return
     holder = state.holders.get(record.pid)
     if holder is not None and state.ranks[holder].node != record.node:
         holder = None  # the same pid on another host
