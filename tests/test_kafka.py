@@ -14,14 +14,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from kafka import KafkaProducer
 from kafka.admin import KafkaAdminClient
-from kafka.errors import KafkaError
 from kafka_fixture import INDEPENDENT_CLIENTS, fresh_prefix, kafka_url, read_topic
 
 from flashrecovery.cli import main
 from flashrecovery.connectors import LogConnector, open_log
-from flashrecovery.connectors.kafka import KafkaSettings, redact, transactional_id
+from flashrecovery.connectors.kafka import KafkaSettings, redact
 from flashrecovery.connectors.kafka_broker import KafkaBroker, free_port
 from flashrecovery.errors import LogError
 from flashrecovery.records import (
@@ -90,42 +88,6 @@ def test_a_regroup_decision_of_a_large_world_passes_kafkas_default_record_limit(
         log.append(Stream.DECISIONS, decision)
         [entry] = log.read(Stream.DECISIONS, "big")
     assert entry.record == decision
-
-
-def decision(rank: int) -> IsolateRank:
-    return IsolateRank(job_id="taken", generation=0, source="engine", caused_by=rank, rank=rank,
-                       reason="test")  # fmt: skip
-
-
-def test_a_writer_that_lost_the_decisions_stream_stores_nothing_more(kafka_bootstrap: str) -> None:
-    """The engine that took the lease over takes the decisions stream over: what the former
-    holder had on its way when it did (sent, not yet committed: an append held by a broker
-    cut off) is dropped, never read, and whatever it sends later is refused."""
-    url = kafka_url(kafka_bootstrap)
-    settings = KafkaSettings.parse(url)
-    with open_log(url) as former, open_log(url) as successor:
-        former.take_over_writes(Stream.DECISIONS, "taken")
-        former.append(Stream.DECISIONS, decision(0))
-        held = KafkaProducer(  # the former's own writer, as it sends a batch of decisions
-            **settings.config("producer"),
-            transactional_id=transactional_id(settings, Stream.DECISIONS, "taken"),
-        )
-        try:
-            held.init_transactions()  # fences `former` too, as a successor does
-            held.begin_transaction()
-            held.send(settings.topic(Stream.DECISIONS), dump_record(decision(1)), key=b"taken")
-            held.flush()  # on the broker, not committed
-            successor.take_over_writes(Stream.DECISIONS, "taken")
-            with pytest.raises(KafkaError):  # fenced: its batch is aborted
-                held.commit_transaction()
-        finally:
-            held.close(timeout=0)
-        with pytest.raises(LogError, match="appending to"):
-            former.append(Stream.DECISIONS, decision(2))
-        successor.append(Stream.DECISIONS, decision(3))
-        read = successor.read(Stream.DECISIONS, "taken")
-    stored = [e.record.rank for e in read if isinstance(e.record, IsolateRank)]
-    assert stored == [0, 3]
 
 
 def test_jobs_keep_their_order_across_partitions(kafka_bootstrap: str) -> None:

@@ -48,12 +48,6 @@ class LogConnector(ABC):
         it fails: the engine gives a writer its peers still hear that much longer."""
         return 0.0
 
-    def take_over_writes(self, stream: Stream, job_id: str) -> None:  # noqa: B027 - nothing
-        """From now on this handle is the one writer of the job's stream (the engine holding
-        the lease, for its decisions): an earlier writer's appends still on their way are
-        settled, stored or dropped, before this returns, and any it tries later fail. A log
-        whose appends are never held up (sqlite, memory) has nothing on its way to settle."""
-
     def append(self, stream: Stream, record: Envelope) -> int:
         """Store the record durably, linked into its writer's hash chain; return its position."""
         return self._chains.append(stream, record, self.append_raw)

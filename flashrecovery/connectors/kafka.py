@@ -48,10 +48,6 @@ REQUEST_TIMEOUT_MS = 3000
 # only when a request fails may ask before that and keep sending to the silent one. One small
 # metadata request a second per client finds the new leader within a second of its election.
 METADATA_MAX_AGE_MS = 1000
-# A transaction left open by a writer that died holds back the readers of its stream (they
-# read committed records only) until its successor's fence aborts it, or this long.
-TRANSACTION_TIMEOUT_MS = 20_000
-COMMITTED_POLL_S = 0.002  # how often a writer asks whether its committed batch is readable
 PRODUCER_LINGER_MS = 5
 PRODUCER_BATCH_BYTES = 512 * 1024
 CONSUMER_POLL_RECORDS = 5000
@@ -171,9 +167,6 @@ class KafkaSettings:
             }
         elif client == "consumer":
             ours |= {
-                # A fenced writer's records (decisions an engine wrote as it lost the lease)
-                # are aborted, never read: see KafkaLog.take_over_writes.
-                "isolation_level": "read_committed",
                 "group_id": None,
                 "enable_auto_commit": False,
                 "auto_offset_reset": "earliest",
@@ -242,20 +235,6 @@ def ensure_topics(settings: KafkaSettings) -> list[str]:
     return missing
 
 
-def transactional_id(settings: KafkaSettings, stream: Stream, job_id: str) -> str:
-    """The id a job's writer of the stream takes over (one per job and topic)."""
-    return f"flashrecovery-{settings.topic(stream)}-{job_id}"
-
-
-def _commit_within(producer: KafkaProducer, timeout_s: float) -> None:
-    """``commit_transaction`` with a bound: kafka-python's waits for ever for a transaction
-    coordinator that does not answer (one cut off). The same two steps, with a timeout."""
-    result = producer._transaction_manager.begin_commit()
-    producer._sender.wakeup()
-    if not result.wait(timeout_ms=int(timeout_s * 1000)):
-        raise KafkaTimeoutError(f"the transaction was not committed in {timeout_s} s")
-
-
 class KafkaLog(LogConnector):
     """Append with an idempotent acks=all producer; read by assigning the job's partition.
     ``read_only`` (events, replay): no producer, and topics that are missing are an error
@@ -273,7 +252,6 @@ class KafkaLog(LogConnector):
         self._partitions: dict[str, list[int]] = {}
         self._partition_of: dict[tuple[str, bytes], int] = {}
         self._producer: KafkaProducer | None = None
-        self._writers: dict[tuple[Stream, str], KafkaProducer] = {}  # see take_over_writes
         self._unsent: list[BaseException] = []  # why append_async records were lost, for flush
         self._unsent_lock = threading.Lock()
         if not read_only:
@@ -338,72 +316,6 @@ class KafkaLog(LogConnector):
             self._partition_of[(topic, key)] = partition
         return partition
 
-    def take_over_writes(self, stream: Stream, job_id: str) -> None:
-        """A transactional producer of the job's stream, and the broker's fence of every
-        earlier one: initialising it bumps the transactional id's epoch, so the broker
-        completes (aborts) an earlier writer's open transaction before this returns, and
-        refuses whatever that writer sends later. Two engines never both store a decision,
-        even when the one that lost the lease had an append held by a broker cut off."""
-        self._drop_writer(stream, job_id)
-        self._writer(stream, job_id)
-
-    def _writer(self, stream: Stream, job_id: str) -> KafkaProducer:
-        key = (Stream(stream), job_id)
-        producer = self._writers.get(key)
-        if producer is None:
-            self._producer_or_fail()  # read-only handles never write
-            config = self.settings.config("producer") | {
-                "transactional_id": transactional_id(self.settings, stream, job_id),
-                "transaction_timeout_ms": TRANSACTION_TIMEOUT_MS,
-            }
-            with self._failing(f"taking over the writes of {self.settings.topic(stream)}"):
-                producer = KafkaProducer(**config)
-                try:
-                    producer.init_transactions()
-                except BaseException:
-                    producer.close(timeout=0)
-                    raise
-            self._writers[key] = producer
-        return producer
-
-    def _drop_writer(self, stream: Stream, job_id: str) -> None:
-        producer = self._writers.pop((Stream(stream), job_id), None)
-        if producer is not None:
-            producer.close(timeout=0)  # what it holds is settled by its successor's fence
-
-    def _append_transaction(self, stream: Stream, job_id: str, raws: list[bytes]) -> list[int]:
-        """The batch as one transaction: stored whole or not at all. On any failure the writer
-        is dropped (fenced, or its commit's outcome unknown): the next one settles it."""
-        producer = self._writer(stream, job_id)
-        topic, key = self.settings.topic(stream), job_id.encode()
-        try:
-            with self._failing(f"appending to {topic}"):
-                partition = self._partition(topic, key)
-                producer.begin_transaction()
-                futures = [
-                    producer.send(topic, value=bytes(raw), key=key, partition=partition)
-                    for raw in raws
-                ]
-                producer.flush(timeout=self.settings.timeout_s)  # bounded, unlike the commit
-                _commit_within(producer, self.settings.timeout_s)
-                offsets = [int(future.get(timeout=0).offset) for future in futures]
-                self._await_committed(TopicPartition(topic, partition), offsets[-1])
-                return offsets
-        except LogError:
-            self._drop_writer(stream, job_id)
-            raise
-
-    def _await_committed(self, tp: TopicPartition, offset: int) -> None:
-        """Until readers can read the record at ``offset``: a commit returns once the
-        transaction coordinator has decided it, and the partition marks it committed a moment
-        later. A writer's next read (and the agents' reads) must find what it stored."""
-        deadline = time.monotonic() + self.settings.timeout_s
-        consumer = self._consumer
-        while self._end_offsets(consumer, [tp])[tp] <= offset:
-            if time.monotonic() > deadline:
-                raise KafkaTimeoutError(f"{tp.topic}: offset {offset} not readable yet")
-            time.sleep(COMMITTED_POLL_S)
-
     def append_raw(self, stream: Stream, job_id: str, raw: bytes) -> int:
         [offset] = self.append_raw_many(stream, job_id, [raw])
         return offset
@@ -414,8 +326,6 @@ class KafkaLog(LogConnector):
         """Send the whole batch (the producer packs it into few requests, acks=all and
         idempotent as ever), then wait once for every acknowledgement. (Kafka's followers
         fetch what is there: ``routine`` changes nothing.)"""
-        if Stream(stream) is Stream.DECISIONS:  # the engine's, fenced (take_over_writes)
-            return self._append_transaction(stream, job_id, raws)
         futures = self._send(stream, job_id, raws)
         with self._failing(f"appending to {self.settings.topic(stream)}"):
             self._producer_or_fail().flush()  # no linger: out now (with what others queued)
@@ -559,8 +469,6 @@ class KafkaLog(LogConnector):
         return sorted(k.decode(errors="replace") for k in keys)
 
     def close(self) -> None:
-        for stream, job_id in list(self._writers):
-            self._drop_writer(stream, job_id)
         if self._producer is not None:
             self._producer.close(timeout=self.settings.timeout_s)
         with self._consumers_lock:

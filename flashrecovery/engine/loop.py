@@ -127,10 +127,7 @@ class EngineLoop:
         if not self.is_leader():
             self._leading = False
             return
-        if not self._leading:  # starting, or taking over: learn what is written already,
-            # once whatever an engine that held the lease before still had on its way is
-            # settled (it could be stored after the read: then stored twice).
-            self.log.take_over_writes(Stream.DECISIONS, self.job_id)
+        if not self._leading:  # starting, or taking over: learn what is written already
             self._written = {
                 e.record.record_id
                 for e in self.log.read(Stream.DECISIONS, self.job_id)
