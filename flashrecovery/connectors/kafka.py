@@ -22,7 +22,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
-from kafka.errors import KafkaError, KafkaTimeoutError, TopicAlreadyExistsError
+from kafka.errors import KafkaError, TopicAlreadyExistsError
 from kafka.partitioner.default import murmur2
 
 from flashrecovery.connectors.base import Entry, LogConnector
@@ -36,18 +36,6 @@ _CLIENT_DEFAULTS: dict[str, Mapping[str, Any]] = {
     name: client.DEFAULT_CONFIG for name, client in _CLIENTS.items()
 }
 RECONNECT_BACKOFF_MAX_MS = 1000
-# One request to a broker gone silent (paused, cut off: its connection stays open) is given
-# up this soon; the closed connection makes the client refresh its metadata, and the request
-# goes again to the partition's new leader, inside the whole bound (timeout_s). Waiting the
-# whole bound on one request left a writer with an expired batch (after which kafka-python's
-# idempotent producer failed the next send with OutOfOrderSequenceNumber) and a reader's
-# offset lookup failing each time against the old leader, for as long as its metadata lived.
-REQUEST_TIMEOUT_MS = 3000
-# How stale a client's idea of the partitions' leaders may grow. A broker that fell silent
-# stays leader until the controller fences it (broker.session.timeout.ms); a client asking
-# only when a request fails may ask before that and keep sending to the silent one. One small
-# metadata request a second per client finds the new leader within a second of its election.
-METADATA_MAX_AGE_MS = 1000
 PRODUCER_LINGER_MS = 5
 PRODUCER_BATCH_BYTES = 512 * 1024
 CONSUMER_POLL_RECORDS = 5000
@@ -142,8 +130,7 @@ class KafkaSettings:
             "bootstrap_servers": self.bootstrap.split(","),
             "client_id": f"flashrecovery-{client}",
             "bootstrap_timeout_ms": bound_ms,
-            "request_timeout_ms": min(bound_ms, REQUEST_TIMEOUT_MS),
-            "metadata_max_age_ms": METADATA_MAX_AGE_MS,
+            "request_timeout_ms": bound_ms,
             # A restarted broker is found again within a second (kafka-python backs off up to
             # 30 s), so heartbeats resume before the engine judges the silence of the outage.
             "reconnect_backoff_max_ms": RECONNECT_BACKOFF_MAX_MS,
@@ -412,7 +399,7 @@ class KafkaLog(LogConnector):
         consumer = self._consumer
         if consumer.assignment() != set(starts):
             consumer.assign(list(starts))
-        ends = self._end_offsets(consumer, list(starts))
+        ends: dict[TopicPartition, int] = consumer.end_offsets(list(starts))
         for tp, start in starts.items():
             # Re-seeking drops the fetch in flight: a follower that continues where it stopped
             # would then wait out the broker's fetch_max_wait_ms.
@@ -437,26 +424,6 @@ class KafkaLog(LogConnector):
                     if rec.offset >= starts[tp] and (key is None or rec.key == key):
                         found = True
                         yield rec
-
-    def _end_offsets(
-        self, consumer: KafkaConsumer, partitions: list[TopicPartition]
-    ) -> dict[TopicPartition, int]:
-        """Each partition's end, asked for a request's timeout at a time within the bound: a
-        lookup kafka-python queued for a leader gone silent (paused, cut off) waits on that
-        leader's connection for as long as it is given, while asked again it goes to the
-        leader the client's metadata (fresh each second) names now."""
-        deadline = time.monotonic() + self.settings.timeout_s
-        attempt_ms = consumer.config["request_timeout_ms"]
-        while True:
-            left_ms = int((deadline - time.monotonic()) * 1000)
-            try:
-                ends: dict[TopicPartition, int] = consumer.end_offsets(
-                    partitions, max(1, min(attempt_ms, left_ms))
-                )
-                return ends
-            except KafkaTimeoutError:
-                if left_ms <= attempt_ms:
-                    raise
 
     def jobs(self) -> list[str]:
         with self._failing("listing jobs"):
