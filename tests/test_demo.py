@@ -178,8 +178,9 @@ def test_loss_curve_flags_gaps_and_duplicates() -> None:
 
 
 def test_a_lost_node_may_take_its_ranks_newest_step_records_and_only_those() -> None:
-    """Node 1 (ranks 2, 3) lost after ranks 0, 1 recorded step 2 and its ranks step 1 only:
-    their step 2 records went with the node's agent; any other gap still breaks the curve."""
+    """Node 1 (ranks 2, 3) lost while step 2 committed: its ranks recorded step 1 only (their
+    step 2 records went with the node's agent), ranks 0, 1 recorded step 2 after the loss was
+    found (the vote was complete before it). Any other gap still breaks the curve."""
     log = MemoryLog()
     ts = iter(range(100))
     for step, ranks in ((0, [0, 1, 2, 3]), (1, [0, 1, 2, 3]), (2, [0, 1])):
@@ -187,7 +188,8 @@ def test_a_lost_node_may_take_its_ranks_newest_step_records_and_only_those() -> 
             record = make(TYPES_BY_NAME["step_completed"], record_id=f"s{step}{rank}",
                           ts=T0 + next(ts), rank=rank, step=step)  # fmt: skip
             log.append(Stream.EVENTS, record)
-    log.append(Stream.DECISIONS, make(TYPES_BY_NAME["isolate_node"], ts=T0 + next(ts)))
+    found = T0 + 7.5  # after step 1's records, before step 2's
+    log.append(Stream.DECISIONS, make(TYPES_BY_NAME["isolate_node"], ts=found))
     lost = lost_with_nodes(log, JOB)
     assert lost == {2: {2}, 3: {2}}
     per_rank = step_losses(log, JOB)

@@ -48,7 +48,9 @@ def lost_with_nodes(log: LogConnector, job_id: str) -> dict[int, set[int]]:
     """Step records a lost node may have taken with it: its agent writes its ranks' records
     in batches, so the newest steps a rank committed and handed over, not yet written when the
     node died, are not in the log (docs/multinode.md). Per rank of a lost node: the steps after
-    its last record up to the highest step any rank had recorded when the node was isolated."""
+    its last record up to the highest step committed in the generation it was lost in (a step
+    commits only once every member voted, the lost ones too; its survivors may record it after
+    the loss was found, so the records' times cannot tell)."""
     steps = [
         e.record for e in log.read(Stream.EVENTS, job_id) if isinstance(e.record, StepCompleted)
     ]
@@ -56,7 +58,7 @@ def lost_with_nodes(log: LogConnector, job_id: str) -> dict[int, set[int]]:
     for entry in log.read(Stream.DECISIONS, job_id):
         if not isinstance(loss := entry.record, IsolateNode):
             continue
-        before = [r for r in steps if r.ts <= loss.ts]
+        before = [r for r in steps if r.generation <= loss.generation]
         top = max((r.step for r in before), default=-1)
         for rank in loss.ranks:
             last = max((r.step for r in before if r.rank == rank), default=-1)
