@@ -58,10 +58,10 @@ def lost_with_nodes(log: LogConnector, job_id: str) -> dict[int, set[int]]:
     for entry in log.read(Stream.DECISIONS, job_id):
         if not isinstance(loss := entry.record, IsolateNode):
             continue
-        before = [r for r in steps if r.generation <= loss.generation]
-        top = max((r.step for r in before), default=-1)
+        voted = [r for r in steps if r.generation <= loss.generation]  # the lost ranks too
+        top = max((r.step for r in voted), default=-1)
         for rank in loss.ranks:
-            last = max((r.step for r in before if r.rank == rank), default=-1)
+            last = max((r.step for r in voted if r.rank == rank), default=-1)
             out.setdefault(rank, set()).update(range(last + 1, top + 1))
     return out
 
