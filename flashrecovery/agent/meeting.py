@@ -10,12 +10,17 @@ meet, where to look for the end of the job, and whether it is the one that keeps
 store up to the end and seals the log.
 
 The end is looked for by a thread of its own (``EndWatch``): a meeting store on a node just
-lost answers nothing for seconds, and the agent's decisions must never wait for it.
+lost answers nothing for seconds, and the agent's decisions must never wait for it. Nor may the
+watch itself wait on a lost store once a plan moved the meeting: torch's client retries a
+refused connection for its whole timeout, several times over (13 s seen), by when the new
+store's host may have ended the job and gone. A plain connection tried first tells a store
+that is gone (refused at once) or cut off (no answer within ``PROBE_S``) from one that is there.
 """
 
 from __future__ import annotations
 
 import datetime
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +34,7 @@ from flashrecovery.trainer_hooks import barrier
 
 CONNECT_TIMEOUT = datetime.timedelta(seconds=5)
 LOOK_S = 0.2  # how often the end is looked for
+PROBE_S = 1.0  # a store that does not take a connection within this is away for now
 
 
 class Meeting:
@@ -53,6 +59,10 @@ class Meeting:
         if self.here:
             return self._own.keys
         host, _, port = self.endpoint.rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=PROBE_S).close()
+        except OSError as exc:
+            raise ConfigError(f"the meeting store at {self.endpoint} is away: {exc}") from None
         return JobStore.connect(host, int(port), self._own.prefix, CONNECT_TIMEOUT).keys
 
 
