@@ -15,7 +15,7 @@ from flashrecovery.agent.job import NODES_DONE_WAIT_S
 from flashrecovery.agent.meeting import EndWatch, Meeting
 from flashrecovery.agent.store import JobStore
 from flashrecovery.errors import ConfigError
-from flashrecovery.records import RegroupPlanned
+from flashrecovery.records import AssignSpare, RegroupPlanned, SpawnReplacement
 from flashrecovery.trainer_hooks import barrier
 
 TIMEOUT = datetime.timedelta(seconds=10)
@@ -74,3 +74,19 @@ def test_a_gone_store_is_away_at_once_and_says_where(gone_endpoint: str) -> None
     own = JobStore.open(TIMEOUT, prefix=PREFIX)
     with pytest.raises(ConfigError, match=f"meeting store at {gone_endpoint} is away"):
         Meeting(own, gone_endpoint).keys()
+
+
+def test_an_assigned_spare_moves_the_meeting_before_the_plan_does(
+    gone_endpoint: str, stores: tuple[JobStore, JobStore]
+) -> None:
+    """The agent starts a spare in place of one the incident assigned before its plan arrives:
+    the new spare must meet on the store the assignment names, not on the node just lost."""
+    own, new_host = stores
+    meeting = Meeting(own, gone_endpoint)
+    envelope = {"job_id": "j", "generation": 1, "source": "engine", "caused_by": 1}
+    assign = AssignSpare(**envelope, rank=0, spare_id=7, node=2, store=new_host.endpoint)
+    assert meeting.follow(assign) and meeting.endpoint == new_host.endpoint
+    plan = RegroupPlanned(**envelope, members=[0, 1], replaced=[0], store=new_host.endpoint)
+    assert not meeting.follow(plan)  # already there
+    assert not meeting.follow(SpawnReplacement(**envelope, rank=1, node=1))  # names none
+    assert meeting.endpoint == new_host.endpoint

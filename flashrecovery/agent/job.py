@@ -51,7 +51,6 @@ from flashrecovery.records import (
     NodeHeartbeat,
     NodeJoined,
     RankExited,
-    RegroupPlanned,
     Stream,
 )
 from flashrecovery.trainer_hooks import final_state, probe
@@ -432,7 +431,7 @@ class Agent:
         """Take one decision in (relay it to the processes, carry it out); why the job must
         end, if it must."""
         self._generation = max(self._generation, decision.generation)
-        if isinstance(decision, RegroupPlanned) and meeting.follow(decision):
+        if meeting.follow(decision):
             supervisor.meet_at(meeting.endpoint)  # where its new processes meet
         if self._links is not None and isinstance(decision, PROCESS_DECISIONS):
             self._links.relay(decision)

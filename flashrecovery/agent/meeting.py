@@ -29,11 +29,12 @@ import torch.distributed as dist
 
 from flashrecovery.agent.store import JobStore
 from flashrecovery.errors import ConfigError
-from flashrecovery.records import RegroupPlanned
+from flashrecovery.records import AssignSpare, Decision, RegroupPlanned, SpawnReplacement
 from flashrecovery.trainer_hooks import barrier
 
 CONNECT_TIMEOUT = datetime.timedelta(seconds=5)
 LOOK_S = 0.2  # how often the end is looked for
+MEETING_DECISIONS = (AssignSpare, SpawnReplacement, RegroupPlanned)  # those that name the store
 PROBE_S = 1.0  # a store that does not take a connection within this is away for now
 
 
@@ -47,11 +48,14 @@ class Meeting:
         """Whether this agent hosts the meeting store (it then ends the job: agent/job.py)."""
         return self.endpoint == self._own.endpoint
 
-    def follow(self, plan: RegroupPlanned) -> bool:
-        """Take a plan in; True when it moved the meeting."""
-        if plan.store is None or plan.store == self.endpoint:
+    def follow(self, decision: Decision) -> bool:
+        """Take a decision in; True when it moved the meeting. The spares an incident assigns
+        name the new store before its plan does, and the spares started in their place must
+        meet there too: the store they would have been given is on the node just lost."""
+        store = decision.store if isinstance(decision, MEETING_DECISIONS) else None
+        if store is None or store == self.endpoint:
             return False
-        self.endpoint = plan.store
+        self.endpoint = store
         return True
 
     def keys(self) -> dist.Store:
