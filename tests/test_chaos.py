@@ -83,8 +83,20 @@ def test_node_faults_take_nodes_still_in_the_job_node_0_once() -> None:
     for fault in faults:  # and nothing acts on a node after it was lost
         assert fault.node not in [f.node for f in faults[: fault.index] if f.kind in NODE_LOST]
     assert {"partition", "flap"} <= {f.kind for f in faults}
-    with pytest.raises(ValueError, match="take more nodes than the job has"):
+    with pytest.raises(ValueError, match="take more nodes or brokers than the job has"):
         draw(4, 3, 3, ["partition", "node0_kill"], first_step=4, gap=8, nodes=3)
+
+
+def test_a_run_kills_one_broker_at_most() -> None:
+    """A killed broker stays down, and 3 brokers with min.insync.replicas 2 store nothing
+    with two of them lost: a second broker kill would stop the job by design, not find a
+    fault of it (nemesis seed 1 dealt two, and its run could only stall)."""
+    kinds = ["broker_kill", "flap", "degraded"]
+    for seed in range(20):
+        faults = draw(9, seed, 6, kinds, first_step=4, gap=8, nodes=3)
+        assert [f.kind for f in faults].count("broker_kill") == 1
+    with pytest.raises(ValueError, match="or brokers"):
+        draw(2, 0, 6, ["broker_kill"], first_step=4, gap=8, nodes=3)
 
 
 def test_an_idle_spare_fault_fails_no_rank_and_plans_nothing_inside() -> None:

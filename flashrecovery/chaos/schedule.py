@@ -45,6 +45,9 @@ KINDS: dict[str, str] = {
 NODE_KILLS = ("node_kill", "node0_kill", "node_kill_leader_cut")  # the killer SIGKILLs a node
 NODE_LOST = (*NODE_KILLS, "partition", "node0_partition", "oneway")  # given up on
 CUT = ("partition", "node0_partition")  # a node cut off both ways
+# A killed broker stays down: 3 brokers with min.insync.replicas 2 store a write with one of
+# them lost, none with two (by design: a record is acknowledged on 2 brokers at least).
+BROKERS_TOLERATED = 1
 BROKER = ("broker_kill", "broker_partition")  # the events' leader broker, on its own host
 LEADER_CUT = ("broker_partition", "node_kill_leader_cut")  # the events' leader cut off
 # A node's link made slow or unsteady, not cut: the straggler policy may replace the node.
@@ -162,8 +165,11 @@ def draw(
     out = []
     alive = list(range(nodes))
     per_node = nproc // nodes
+    brokers_killed = 0
     for index in range(faults):
-        kind = _deal(deck, kinds, alive, rng)
+        may_lose = len(alive) > nodes - max(1, nodes - 1)
+        kind = _deal(deck, kinds, alive, rng, may_lose, brokers_killed < BROKERS_TOLERATED)
+        brokers_killed += kind == "broker_kill"
         if kind in NODE_LOST or kind in SLOWED:
             node = _node_for(kind, alive, rng)
             if kind in NODE_LOST:
@@ -187,10 +193,20 @@ NODE0 = ("node0_kill", "node0_partition")
 NODE_KINDS = (*NODE_LOST, *SLOWED)  # they act on a node still in the job
 
 
-def _deal(deck: list[str], kinds: list[str], alive: list[int], rng: random.Random) -> str:
-    """The next card of the deck (refilled and shuffled when empty) that a node still in the
-    job can take: node 0's kinds once node 0 is given up, a node kind once every node is,
-    are passed over. ValueError when no kind asked for can be dealt any more."""
+def _deal(
+    deck: list[str],
+    kinds: list[str],
+    alive: list[int],
+    rng: random.Random,
+    may_lose: bool,
+    broker_left: bool,
+) -> str:
+    """The next card of the deck (refilled and shuffled when empty) that the job can take:
+    node 0's kinds once node 0 is given up, a node kind once every node is, a node's loss
+    once all but one of several are lost (the last one's ranks would leave none of the
+    job's nodes, only the spare node, whose spares the losses before used up), a broker kill
+    once the cluster has lost the one broker it tolerates, are passed over. ValueError when
+    no kind asked for can be dealt any more."""
     for _ in range(2 * len(kinds) + 1):
         if not deck:
             deck.extend(kinds)
@@ -198,10 +214,13 @@ def _deal(deck: list[str], kinds: list[str], alive: list[int], rng: random.Rando
         kind = deck.pop()
         if (kind in NODE0 and 0 not in alive) or (kind in NODE_KINDS and not alive):
             continue
+        if (kind in NODE_LOST and not may_lose) or (kind == "broker_kill" and not broker_left):
+            continue
         return kind
     raise ValueError(
-        f"the faults asked for take more nodes than the job has (every one of {kinds} needs a "
-        "node still in it): give more --nodes, other --kinds or fewer --faults"
+        f"the faults asked for take more nodes or brokers than the job has (every one of "
+        f"{kinds} needs a node still in it, or a broker the cluster can lose): give more "
+        "--nodes, other --kinds or fewer --faults"
     )
 
 
