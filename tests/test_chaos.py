@@ -99,6 +99,18 @@ def test_a_run_kills_one_broker_at_most() -> None:
         draw(2, 0, 6, ["broker_kill"], first_step=4, gap=8, nodes=3)
 
 
+def test_a_slowed_link_is_dealt_only_where_three_nodes_can_tell_whose_it_is() -> None:
+    """Two nodes cannot tell whose link is slow (docs/multinode.md): a flap or a degraded
+    link comes while two of the job's nodes and the spare node are still in it."""
+    kinds = ["node_kill", "partition", "oneway", "flap", "degraded", "broker_kill"]
+    for seed in range(30):
+        faults = draw(5, seed, 6, kinds, first_step=4, gap=8, nodes=3)
+        lost = 0
+        for fault in faults:
+            assert fault.kind not in ("flap", "degraded") or 3 - lost >= 2, (seed, faults)
+            lost += fault.kind in NODE_LOST
+
+
 def test_an_idle_spare_fault_fails_no_rank_and_plans_nothing_inside() -> None:
     [fault] = draw(1, 0, 3, ["spare_stop"], first_step=5, gap=6)
     assert fault.plan == [] and fault.failed_ranks == []

@@ -167,8 +167,15 @@ def draw(
     per_node = nproc // nodes
     brokers_killed = 0
     for index in range(faults):
-        may_lose = len(alive) > nodes - max(1, nodes - 1)
-        kind = _deal(deck, kinds, alive, rng, may_lose, brokers_killed < BROKERS_TOLERATED)
+        broker_left = brokers_killed < BROKERS_TOLERATED
+        # A slowed link is named only among 3 nodes or more (the spare node counted), so it
+        # needs 2 of the job's nodes; a loss that leaves one is dealt only where what follows
+        # needs none. A second broker kill would stop every write (BROKERS_TOLERATED).
+        after = faults - index - 1
+        nodeless = int(broker_left and "broker_kill" in kinds)
+        may_lose = len(alive) > 2 or (len(alive) == 2 and after <= nodeless) or nodes == 1
+        may_slow = len(alive) >= 2 or nodes < 2
+        kind = _deal(deck, kinds, alive, rng, (may_lose, may_slow, broker_left))
         brokers_killed += kind == "broker_kill"
         if kind in NODE_LOST or kind in SLOWED:
             node = _node_for(kind, alive, rng)
@@ -198,15 +205,13 @@ def _deal(
     kinds: list[str],
     alive: list[int],
     rng: random.Random,
-    may_lose: bool,
-    broker_left: bool,
+    may: tuple[bool, bool, bool],
 ) -> str:
     """The next card of the deck (refilled and shuffled when empty) that the job can take:
-    node 0's kinds once node 0 is given up, a node kind once every node is, a node's loss
-    once all but one of several are lost (the last one's ranks would leave none of the
-    job's nodes, only the spare node, whose spares the losses before used up), a broker kill
-    once the cluster has lost the one broker it tolerates, are passed over. ValueError when
+    node 0's kinds once node 0 is given up, a node kind once every node is, and what ``may``
+    (lose a node, slow a link, kill a broker; see draw) bars are passed over. ValueError when
     no kind asked for can be dealt any more."""
+    may_lose, may_slow, broker_left = may
     for _ in range(2 * len(kinds) + 1):
         if not deck:
             deck.extend(kinds)
@@ -214,7 +219,8 @@ def _deal(
         kind = deck.pop()
         if (kind in NODE0 and 0 not in alive) or (kind in NODE_KINDS and not alive):
             continue
-        if (kind in NODE_LOST and not may_lose) or (kind == "broker_kill" and not broker_left):
+        barred = (kind in NODE_LOST and not may_lose) or (kind in SLOWED and not may_slow)
+        if barred or (kind == "broker_kill" and not broker_left):
             continue
         return kind
     raise ValueError(
