@@ -12,14 +12,17 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kafka.admin import KafkaAdminClient
+from kafka.errors import KafkaTimeoutError
 from kafka_fixture import INDEPENDENT_CLIENTS, fresh_prefix, kafka_url, read_topic
 
 from flashrecovery.cli import main
 from flashrecovery.connectors import LogConnector, open_log
-from flashrecovery.connectors.kafka import KafkaSettings, redact
+from flashrecovery.connectors.follow import append_many_through_outage
+from flashrecovery.connectors.kafka import KafkaLog, KafkaSettings, redact
 from flashrecovery.connectors.kafka_broker import KafkaBroker, free_port
 from flashrecovery.errors import LogError
 from flashrecovery.records import (
@@ -314,3 +317,37 @@ def test_cli_starts_a_background_broker_creates_topics_and_stops_it(tmp_path: Pa
     assert cli("broker", "status", *state).returncode == 1
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+@pytest.mark.parametrize("stored_before_the_failure", [3, 1], ids=["all", "first"])
+def test_an_append_stored_though_the_producer_gave_up_on_it_is_stored_once(
+    kafka_bootstrap: str, monkeypatch: pytest.MonkeyPatch, stored_before_the_failure: int
+) -> None:
+    """A leader lost after it stored a batch (its followers hold it) but before it answered:
+    the producer gives up on the batch, and the writer's retry stored it a second time (step
+    records and decisions twice in the network soak). The partition is asked first."""
+    job = f"job-{time.monotonic_ns()}"
+    batch = [heartbeat(job, step) for step in range(3)]
+    lost_once: list[bool] = []
+    real_send, real_settled = KafkaLog._send_to, KafkaLog._settled
+
+    def send_part(self: KafkaLog, tp: Any, key: bytes, raws: list[bytes]) -> list[Any]:
+        part = raws if lost_once else raws[:stored_before_the_failure]
+        return real_send(self, tp, key, part)
+
+    def answer_lost(self: KafkaLog, futures: list[Any]) -> list[int]:
+        offsets = real_settled(self, futures)  # stored: the broker acknowledged it …
+        if not lost_once:
+            lost_once.append(True)
+            raise KafkaTimeoutError("the acknowledgement was lost")  # … not to the producer
+        return offsets
+
+    monkeypatch.setattr(KafkaLog, "_send_to", send_part)
+    monkeypatch.setattr(KafkaLog, "_settled", answer_lost)
+    with open_log(kafka_url(kafka_bootstrap)) as log:
+        positions = append_many_through_outage(log, Stream.EVENTS, batch, patience_s=WAIT_S)
+        entries = log.read(Stream.EVENTS, job)
+    assert lost_once
+    assert [e.record.record_id for e in entries] == [r.record_id for r in batch]
+    assert [e.position for e in entries] == positions
+    assert verify_chains({Stream.EVENTS: entries}).ok

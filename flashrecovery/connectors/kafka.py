@@ -12,6 +12,7 @@ settings may come from ``FLASHRECOVERY_KAFKA_<NAME>`` (``__`` for the dot), the 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import re
 import threading
@@ -21,14 +22,16 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
+import structlog
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
-from kafka.errors import KafkaError, TopicAlreadyExistsError
+from kafka.errors import KafkaError, KafkaTimeoutError, TopicAlreadyExistsError
 from kafka.partitioner.default import murmur2
 
 from flashrecovery.connectors.base import Entry, LogConnector
 from flashrecovery.errors import LogError
 from flashrecovery.records import Stream
 
+log = structlog.get_logger("flashrecovery.kafka")
 ENV_PREFIX = "FLASHRECOVERY_KAFKA_"
 _NOT_CLIENT_ENV = {"CACHE"}  # FLASHRECOVERY_KAFKA_CACHE belongs to the broker runner
 _CLIENTS = {"producer": KafkaProducer, "consumer": KafkaConsumer, "admin": KafkaAdminClient}
@@ -36,6 +39,10 @@ _CLIENT_DEFAULTS: dict[str, Mapping[str, Any]] = {
     name: client.DEFAULT_CONFIG for name, client in _CLIENTS.items()
 }
 RECONNECT_BACKOFF_MAX_MS = 1000
+# A reader asks for a partition's end this long at a time, then makes its client ask again who
+# leads it: kafka-python retries a lookup held by a leader gone (killed, paused, cut off) on that
+# same leader until its metadata is refreshed, which nothing else asks for (5 min by default).
+END_LOOKUP_S = 3.0
 PRODUCER_LINGER_MS = 5
 PRODUCER_BATCH_BYTES = 512 * 1024
 CONSUMER_POLL_RECORDS = 5000
@@ -238,6 +245,7 @@ class KafkaLog(LogConnector):
         self._consumers_lock = threading.Lock()
         self._partitions: dict[str, list[int]] = {}
         self._partition_of: dict[tuple[str, bytes], int] = {}
+        self._ends: dict[TopicPartition, int] = {}  # past this handle's last append, per partition
         self._producer: KafkaProducer | None = None
         self._unsent: list[BaseException] = []  # why append_async records were lost, for flush
         self._unsent_lock = threading.Lock()
@@ -276,8 +284,9 @@ class KafkaLog(LogConnector):
     @property
     def write_hold_s(self) -> float:
         """A request to a broker cut off is waited out for the request timeout, then sent to
-        the partition's new leader; the wait and the metadata refresh together (a second)."""
-        return self.settings.timeout_s + 1.0
+        the partition's new leader; the wait and the metadata refresh together (a second). An
+        append given up on is looked for in the partition (END_LOOKUP_S) before it fails."""
+        return self.settings.timeout_s + END_LOOKUP_S + 1.0
 
     @classmethod
     def from_url(cls, url: str, *, read_only: bool = False) -> KafkaLog:
@@ -313,13 +322,53 @@ class KafkaLog(LogConnector):
         """Send the whole batch (the producer packs it into few requests, acks=all and
         idempotent as ever), then wait once for every acknowledgement. (Kafka's followers
         fetch what is there: ``routine`` changes nothing.)"""
-        futures = self._send(stream, job_id, raws)
-        with self._failing(f"appending to {self.settings.topic(stream)}"):
-            self._producer_or_fail().flush()  # no linger: out now (with what others queued)
-            # The producer settles every send within its delivery timeout: wait that long so
-            # the answer is final (a give-up earlier could be stored later and then retried).
-            wait_s = self._producer_or_fail().config["delivery_timeout_ms"] / 1000 + 5
-            return [int(future.get(timeout=wait_s).offset) for future in futures]
+        topic, key = self.settings.topic(stream), job_id.encode()
+        with self._failing(f"appending to {topic}"):
+            tp = TopicPartition(topic, self._partition(topic, key))
+            since = self._end_before(tp)
+            try:
+                offsets = self._settled(self._send_to(tp, key, raws))
+            except KafkaError as exc:
+                offsets = self._stored_anyway(tp, key, since, raws, exc)
+            self._ends[tp] = max(self._ends.get(tp, 0), offsets[-1] + 1)
+            return offsets
+
+    def _settled(self, futures: list[Any]) -> list[int]:
+        """Each send's offset once the producer settled it (raises if it gave one up)."""
+        self._producer_or_fail().flush()  # no linger: out now (with what others queued)
+        # The producer settles every send within its delivery timeout: wait that long so the
+        # answer is final (a give-up earlier could be stored later and then retried).
+        wait_s = self._producer_or_fail().config["delivery_timeout_ms"] / 1000 + 5
+        return [int(future.get(timeout=wait_s).offset) for future in futures]
+
+    def _end_before(self, tp: TopicPartition) -> int:
+        """An offset at or before where a batch sent now will land: the end after this
+        handle's last append there (the partition's end asked once, before its first)."""
+        if tp not in self._ends:
+            ends = self._end_offsets(self._consumer, [tp], self.settings.timeout_s)
+            self._ends[tp] = ends[tp]
+        return self._ends[tp]
+
+    def _stored_anyway(
+        self, tp: TopicPartition, key: bytes, since: int, raws: list[bytes], failure: KafkaError
+    ) -> list[int]:
+        """The offsets of a batch the producer gave up on that the partition holds anyway (an
+        acknowledgement lost with a leader, the records on the new one): sent again by the
+        caller's retry, it would be stored twice. Its part that is missing is sent again now;
+        raises the producer's error when the partition holds none of it, or cannot say."""
+        try:
+            held = {
+                bytes(rec.value): rec.offset
+                for rec in self._records({tp: since}, key, time.monotonic(), END_LOOKUP_S)
+            }
+        except (KafkaError, LogError):
+            raise failure from None
+        stored = [held[raw] for raw in itertools.takewhile(held.__contains__, raws)]
+        if not stored:
+            raise failure
+        log.warning("an append the producer gave up on was stored", records=len(stored))
+        rest = raws[len(stored) :]
+        return stored + (self._settled(self._send_to(tp, key, rest)) if rest else [])
 
     def send_raw_many(
         self, stream: Stream, job_id: str, raws: list[bytes], lost: Callable[[], None]
@@ -337,12 +386,15 @@ class KafkaLog(LogConnector):
     def _send(self, stream: Stream, job_id: str, raws: list[bytes]) -> list[Any]:
         """Hand each record to the producer (in order, to the job's partition)."""
         topic, key = self.settings.topic(stream), job_id.encode()
-        producer = self._producer_or_fail()
         with self._failing(f"appending to {topic}"):
-            partition = self._partition(topic, key)
-            return [
-                producer.send(topic, value=bytes(raw), key=key, partition=partition) for raw in raws
-            ]
+            return self._send_to(TopicPartition(topic, self._partition(topic, key)), key, raws)
+
+    def _send_to(self, tp: TopicPartition, key: bytes, raws: list[bytes]) -> list[Any]:
+        producer = self._producer_or_fail()
+        return [
+            producer.send(tp.topic, value=bytes(raw), key=key, partition=tp.partition)
+            for raw in raws
+        ]
 
     def _producer_or_fail(self) -> KafkaProducer:
         if self._producer is None:
@@ -392,14 +444,20 @@ class KafkaLog(LogConnector):
         return out
 
     def _records(
-        self, starts: dict[TopicPartition, int], key: bytes | None, wait_until: float
+        self,
+        starts: dict[TopicPartition, int],
+        key: bytes | None,
+        wait_until: float,
+        bound_s: float | None = None,
     ) -> Iterator[Any]:
         """Records (with this key, if given) from each start up to the current end; if none,
-        wait until ``wait_until`` for one. LogError if reading makes no progress in timeout_s."""
+        wait until ``wait_until`` for one. LogError if reading makes no progress in ``bound_s``
+        (timeout_s when None)."""
+        bound_s = self.settings.timeout_s if bound_s is None else bound_s
         consumer = self._consumer
         if consumer.assignment() != set(starts):
             consumer.assign(list(starts))
-        ends: dict[TopicPartition, int] = consumer.end_offsets(list(starts))
+        ends = self._end_offsets(consumer, list(starts), bound_s)
         for tp, start in starts.items():
             # Re-seeking drops the fetch in flight: a follower that continues where it stopped
             # would then wait out the broker's fetch_max_wait_ms.
@@ -411,12 +469,12 @@ class KafkaLog(LogConnector):
             now = time.monotonic()
             if not behind and (found or now >= wait_until):
                 return
-            if behind and now - progress_at > self.settings.timeout_s:
+            if behind and now - progress_at > bound_s:
                 raise LogError(
                     f"Kafka at {self.settings.bootstrap}: no progress reading "
-                    f"{sorted(tp.topic for tp in starts)} in {self.settings.timeout_s} s"
+                    f"{sorted(tp.topic for tp in starts)} in {bound_s} s"
                 )
-            budget = self.settings.timeout_s - (now - progress_at) if behind else wait_until - now
+            budget = bound_s - (now - progress_at) if behind else wait_until - now
             for tp, records in consumer.poll(timeout_ms=max(1, int(budget * 1000))).items():
                 progress_at = time.monotonic()
                 for rec in records:
@@ -424,6 +482,24 @@ class KafkaLog(LogConnector):
                     if rec.offset >= starts[tp] and (key is None or rec.key == key):
                         found = True
                         yield rec
+
+    def _end_offsets(
+        self, consumer: KafkaConsumer, partitions: list[TopicPartition], bound_s: float
+    ) -> dict[TopicPartition, int]:
+        """Each partition's end within ``bound_s``, asked END_LOOKUP_S at a time, the leaders
+        looked up anew between two asks (the broker a lookup waits on may be gone)."""
+        deadline = time.monotonic() + bound_s
+        while True:
+            left_s = deadline - time.monotonic()
+            try:
+                ends: dict[TopicPartition, int] = consumer.end_offsets(
+                    partitions, max(1, int(min(END_LOOKUP_S, left_s) * 1000))
+                )
+                return ends
+            except KafkaTimeoutError:
+                if left_s <= END_LOOKUP_S:
+                    raise
+                consumer._client.cluster.request_update()  # private: no public way to ask
 
     def jobs(self) -> list[str]:
         with self._failing("listing jobs"):
