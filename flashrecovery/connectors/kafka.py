@@ -295,6 +295,9 @@ class KafkaLog(LogConnector):
     def _failing(self, what: str) -> contextlib.AbstractContextManager[None]:
         return _failing_as_log_error(what, self.settings.bootstrap)
 
+    def _job_partition(self, topic: str, key: bytes) -> TopicPartition:
+        return TopicPartition(topic, self._partition(topic, key))
+
     def _partition(self, topic: str, key: bytes) -> int:
         """The key's partition as Kafka's default partitioner picks it (so reads find it);
         remembered, since murmur2 runs in Python and a writer asks once per record."""
@@ -324,7 +327,7 @@ class KafkaLog(LogConnector):
         fetch what is there: ``routine`` changes nothing.)"""
         topic, key = self.settings.topic(stream), job_id.encode()
         with self._failing(f"appending to {topic}"):
-            tp = TopicPartition(topic, self._partition(topic, key))
+            tp = self._job_partition(topic, key)
             since = self._end_before(tp)
             try:
                 offsets = self._settled(self._send_to(tp, key, raws))
@@ -387,7 +390,7 @@ class KafkaLog(LogConnector):
         """Hand each record to the producer (in order, to the job's partition)."""
         topic, key = self.settings.topic(stream), job_id.encode()
         with self._failing(f"appending to {topic}"):
-            return self._send_to(TopicPartition(topic, self._partition(topic, key)), key, raws)
+            return self._send_to(self._job_partition(topic, key), key, raws)
 
     def _send_to(self, tp: TopicPartition, key: bytes, raws: list[bytes]) -> list[Any]:
         producer = self._producer_or_fail()
@@ -436,7 +439,7 @@ class KafkaLog(LogConnector):
         topic, key = self.settings.topic(stream), job_id.encode()
         out: list[Entry] = []
         with self._failing(f"reading {topic}"):
-            tp = TopicPartition(topic, self._partition(topic, key))
+            tp = self._job_partition(topic, key)
             for rec in self._records({tp: start}, key, time.monotonic() + wait_s):
                 if limit is not None and len(out) >= limit:
                     break
