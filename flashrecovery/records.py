@@ -553,6 +553,17 @@ class StragglerFound(Decision):
     reason: str
 
 
+class StragglerCleared(Decision):
+    """A node named by ``StragglerFound`` is no longer the cause: its links' probes are late at
+    under half the naming ratio again. Until this record a node is named once; after it, a link
+    that degrades again names it again."""
+
+    type: Literal["straggler_cleared"] = "straggler_cleared"
+    node: NodeId
+    late_ratio: float = Field(ge=0, le=1)  # of its probes, over the engine's window
+    reason: str
+
+
 class FailJob(Decision):
     """The job fails instead of recovering again: a crash loop, or too many incidents."""
 
@@ -616,6 +627,7 @@ DecisionRecord = Annotated[
     | FallbackToCheckpoint
     | RetireSpare
     | StragglerFound
+    | StragglerCleared
     | FailJob
     | IncidentClosed,
     Field(discriminator="type"),

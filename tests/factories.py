@@ -68,6 +68,12 @@ SAMPLE_FIELDS: dict[str, dict[str, Any]] = {
         "replaced": False,
         "reason": "its links lose probes",
     },
+    "straggler_cleared": {
+        "caused_by": 9,
+        "node": 1,
+        "late_ratio": 0.01,
+        "reason": "its links lose few probes again",
+    },
     "fail_job": {
         "caused_by": 9,
         "rank": 0,

@@ -22,6 +22,7 @@ from flashrecovery.records import (
     RankJoined,
     SpareHeartbeat,
     SpareReady,
+    StragglerCleared,
     StragglerFound,
     StragglerPolicy,
 )
@@ -93,6 +94,10 @@ def found(decisions: list[Decision]) -> list[StragglerFound]:
     return [d for d in decisions if isinstance(d, StragglerFound)]
 
 
+def cleared_of(decisions: list[Decision]) -> list[StragglerCleared]:
+    return [d for d in decisions if isinstance(d, StragglerCleared)]
+
+
 def test_the_node_every_bad_link_shares_is_named_once_and_kept_by_default() -> None:
     state, position = job()
     decisions = intervals(state, position, 4, bad=1, nodes=[0, 1, 2, 3])
@@ -141,8 +146,22 @@ def test_too_few_probes_say_nothing_and_a_healed_node_is_named_again_later() -> 
     assert state.stragglers == {1}
     healed = intervals(state, position + 16, links.WINDOW, bad=None, nodes=[0, 1, 2, 3])
     assert found(healed) == [] and state.stragglers == set()
+    [cleared] = cleared_of(healed)
+    assert cleared.node == 1 and cleared.late_ratio < links.GOOD_RATIO
     again = intervals(state, position + 36, 4, bad=1, nodes=[0, 1, 2, 3])
     assert [s.node for s in found(again)] == [1]
+
+
+def test_a_named_node_is_cleared_only_on_links_measured_good_again() -> None:
+    state, position = job()
+    [named] = found(intervals(state, position, 4, bad=1, nodes=[0, 1, 2, 3]))
+    still_bad = intervals(state, position + 16, 3, bad=1, nodes=[0, 1, 2, 3])
+    assert found(still_bad) == cleared_of(still_bad) == []  # named once, kept while bad
+    state.links.clear()  # as a recovery does: no sample says the links are good yet
+    one = intervals(state, position + 28, 1, bad=None, nodes=[0, 1, 2, 3])
+    assert cleared_of(one) == [] and state.stragglers == {named.node}  # 20 probes a link
+    [cleared] = cleared_of(intervals(state, position + 32, 1, bad=None, nodes=[0, 1, 2, 3]))
+    assert cleared.node == 1 and cleared.late_ratio == 0.0
 
 
 def test_a_silent_node_is_left_to_its_silence_not_named_slow() -> None:

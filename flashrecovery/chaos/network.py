@@ -23,6 +23,7 @@ from flashrecovery.chaos.verdict import Sent
 from flashrecovery.connectors.kafka import KafkaSettings
 from flashrecovery.demo.job import LaunchedJob
 from flashrecovery.demo.watch import JobWatch, KillOutcome
+from flashrecovery.engine import links
 from flashrecovery.records import Stream
 
 HEAL_AFTER_LOST_S = 1.0  # a node given up on is healed this long after (it sees it, and ends)
@@ -32,6 +33,10 @@ FLAP_DOWN_S = 0.6  # each time for less than the silence limit (3 heartbeat inte
 FLAP_UP_S = 0.6
 DEGRADED_S = 15.0  # a degraded link's length: the engine needs a few intervals of probes
 DEGRADED_PERCENT = 5
+# A node named slow is cleared once its links are good over the engine's whole window of
+# samples (engine/links.py, at 1 s heartbeats) and measured again: a slowed link lasts that
+# much longer in a run.
+CLEARED_S = links.WINDOW + 1.0
 BROKER_CUT_S = 8.0  # a broker cut off this long: fenced by its controllers, then back
 SETTLE_STEPS = 2  # steps committed after a heal before the next fault may come
 CUT_TYPICAL_S = 8.0  # a cut node: given up after its silence limit, healed a second later, margin
@@ -40,8 +45,8 @@ LASTS_S = {
     "partition": CUT_TYPICAL_S,
     "node0_partition": CUT_TYPICAL_S,
     "oneway": CUT_TYPICAL_S,
-    "flap": FLAPS * (FLAP_DOWN_S + FLAP_UP_S),
-    "degraded": DEGRADED_S,
+    "flap": FLAPS * (FLAP_DOWN_S + FLAP_UP_S) + CLEARED_S,
+    "degraded": DEGRADED_S + CLEARED_S,
     "broker_kill": 0.0,
     "broker_partition": BROKER_CUT_S,
     "node_kill_leader_cut": BROKER_CUT_S,
@@ -73,7 +78,7 @@ class NetworkFaults:
                     return None  # one before still holds a link, or has not been sent
                 return self._start(fault, sent, job)
             if sent.healed_ts is not None and not sent.settled:
-                self._settle(sent, watch)
+                self._settle(fault, sent, watch)
             if sent.healed_ts is None and self._heal_due(fault, sent, watch):
                 assert sent.host is not None
                 self.testbed.network.heal(sent.host)
@@ -82,11 +87,13 @@ class NetworkFaults:
         return None
 
     @staticmethod
-    def _settle(sent: Sent, watch: JobWatch) -> None:
+    def _settle(fault: PlannedFault, sent: Sent, watch: JobWatch) -> None:
         """Over once the job commits steps again after the heal and every node still in it
         is heard from after it: every writer's records flow again (a broker cut off holds some
         writers' appends seconds longer than others'), so the next fault meets a job that got
-        over this one, not one still getting over it."""
+        over this one, not one still getting over it. A slowed link is over once the engine
+        no longer names its node (StragglerCleared): a link slowed again before that would
+        find its node named already, and test nothing."""
         assert sent.healed_ts is not None
         if sent.healed_step is None:
             sent.healed_step = watch.committed()
@@ -94,7 +101,9 @@ class NetworkFaults:
         nodes = [node for node in watch.state.nodes.values() if not node.lost]
         heard = all(node.last_heartbeat_ts > sent.healed_ts for node in nodes)
         progressed = watch.committed() >= sent.healed_step + SETTLE_STEPS
-        sent.settled = watch.running and progressed and heard
+        named = fault.kind in SLOWED and fault.node in watch.state.stragglers
+        named = named and fault.node is not None and not watch.state.node_lost(fault.node)
+        sent.settled = watch.running and progressed and heard and not named
 
     @staticmethod
     def _host(fault: PlannedFault) -> str:

@@ -45,6 +45,7 @@ from flashrecovery.records import (
     StallSuspected,
     StateTransferred,
     StepCompleted,
+    StragglerCleared,
     StragglerFound,
     StragglerPolicy,
 )
@@ -218,8 +219,15 @@ def _score_links(ctx: Context, record: NodeHeartbeat) -> None:
 
     for node in sorted({record.node, *(sample.peer for sample in record.links)}):
         if node in state.stragglers:
-            if links.recovered(state.links, node, heard):
+            if (share := links.healed(state.links, node, heard)) is not None:
                 state.stragglers.discard(node)
+                ctx.emit(
+                    StragglerCleared,
+                    node=node,
+                    late_ratio=round(share, 4),
+                    reason=f"node {node}'s links lose or delay {share:.0%} of their probes "
+                    f"again (under {links.GOOD_RATIO:.1%})",
+                )
         elif heard(node) and (found := links.straggler(state.links, node, heard)):
             _straggler_found(ctx, found)
 

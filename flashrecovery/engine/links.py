@@ -88,9 +88,15 @@ def straggler(book: LinkBook, node: int, live: Callable[[int], bool]) -> Straggl
     return Straggler(node, round(share, 4), scored)
 
 
-def recovered(book: LinkBook, node: int, live: Callable[[int], bool]) -> bool:
-    """Its probes over its links to live peers are late at under GOOD_RATIO again."""
-    return _share(book, node, _live_peers(book, node, live)) < GOOD_RATIO
+def healed(book: LinkBook, node: int, live: Callable[[int], bool]) -> float | None:
+    """Its probes' late share, if every link of it to a live peer is measured again and
+    they are late at under GOOD_RATIO over them all; else None (still bad, or too few probes
+    since the samples were last cleared to say)."""
+    scored = _live_peers(book, node, live)
+    if not scored or any(book.ratio(node, p) is None for p in scored):
+        return None
+    share = _share(book, node, scored)
+    return share if share < GOOD_RATIO else None
 
 
 def _live_peers(book: LinkBook, node: int, live: Callable[[int], bool]) -> list[int]:
