@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+import typing
 import uuid
 from enum import StrEnum
 from typing import Annotated, Any, Literal
@@ -633,6 +634,14 @@ DecisionRecord = Annotated[
     Field(discriminator="type"),
 ]
 Record = Annotated[EventRecord | DecisionRecord, Field(discriminator="type")]
+
+
+def _type_names(union: Any) -> tuple[str, ...]:
+    members = typing.get_args(typing.get_args(union)[0])
+    return tuple(str(member.model_fields["type"].default) for member in members)
+
+
+TYPE_NAMES = (*_type_names(EventRecord), *_type_names(DecisionRecord))  # every record's `type`
 
 _EVENT = TypeAdapter[EventRecord](EventRecord)
 _DECISION = TypeAdapter[DecisionRecord](DecisionRecord)

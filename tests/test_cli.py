@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from flashrecovery.cli import main
+from flashrecovery.cli import build_parser, main
 from flashrecovery.connectors import open_log
 from flashrecovery.records import Stream
 from flashrecovery.testing.simworld import SimulatedWorld
@@ -231,3 +231,54 @@ def test_events_follow_prints_records_as_they_arrive(tmp_path: Path) -> None:
         finally:
             follower.kill()
             follower.wait(timeout=30)
+
+
+def test_a_mistyped_record_type_names_the_types_there_are(
+    capsys: pytest.CaptureFixture[str], scripted_log: str
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["events", "--log", scripted_log, "--type", "bogus"])
+    _, err = capsys.readouterr()
+    assert exited.value.code == 2
+    assert "no record type 'bogus'" in err and "isolate_rank" in err and "step_completed" in err
+
+
+@pytest.mark.parametrize("command", ["events", "replay"])
+def test_the_job_is_named_with_job_or_job_id_on_every_command(
+    capsys: pytest.CaptureFixture[str], scripted_log: str, command: str
+) -> None:
+    outputs = [
+        run_cli(capsys, command, "--log", scripted_log, spelling, JOB, "--json")
+        for spelling in ("--job", "--job-id")
+    ]
+    assert outputs[0] == outputs[1] and outputs[0][0] == 0 and outputs[0][1]
+    for argv, dest in (
+        (["run", "--nproc-per-node", "2", "x.py"], "job_id"),
+        (["control-plane", "--log", "memory://", "--bind", "127.0.0.1:0"], "job_id"),
+        (["engine", "--log", "memory://"], "job"),
+        (["metrics", "--log", "memory://"], "job"),
+    ):
+        for spelling in ("--job", "--job-id"):
+            full = [*argv[:1], spelling, JOB, *argv[1:]]
+            assert getattr(build_parser(full).parse_args(full), dest) == JOB
+
+
+@pytest.mark.parametrize("command", ["events", "replay", "metrics"])
+@pytest.mark.parametrize("kind", ["another program's", "empty", "not sqlite"])
+def test_a_file_that_is_not_a_log_is_named_so_and_left_as_it_was(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, command: str, kind: str
+) -> None:
+    path = tmp_path / "other.db"
+    if kind == "another program's":
+        with sqlite3.connect(path) as db:
+            db.execute("create table mydata(x)")
+        db.close()
+    else:
+        path.write_bytes(b"" if kind == "empty" else b"hello\n")
+    before = path.read_bytes()
+    argv = [command, "--log", f"sqlite://{path}", *([] if command == "events" else ["--job", JOB])]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2
+    assert f"{path} is not a flashrecovery log" in out + err
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.db"]

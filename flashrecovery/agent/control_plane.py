@@ -26,6 +26,7 @@ from flashrecovery.agent.store import JobStore
 from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.errors import ConfigError, LogError
 from flashrecovery.observe.exporter import MetricsServer, add_metrics_port
+from flashrecovery.options import add_job_option
 from flashrecovery.statemachines.job import JobState
 
 STORE_TIMEOUT = datetime.timedelta(seconds=60)
@@ -37,9 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--bind", required=True, metavar="HOST:PORT", help="where the agents' --rdzv-endpoint is"
     )
-    parser.add_argument(
-        "--job-id", default=None, metavar="ID", help="refuse a job of another id (default: any)"
-    )
+    add_job_option(parser, dest="job_id", help="refuse a job of another id (default: any)")
     add_metrics_port(parser)
 
 

@@ -16,11 +16,12 @@ from flashrecovery.connectors import open_log
 from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.errors import LogError
 from flashrecovery.observe.exporter import MetricsServer, add_metrics_port
+from flashrecovery.options import add_job_option
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log", required=True, help="log URL")
-    parser.add_argument("--job", required=True, help="job id")
+    add_job_option(parser, dest="job", required=True, help="job id")
     parser.add_argument("--poll", type=float, default=0.05, help="longest wait per follow (s)")
     parser.add_argument(
         "--lease-ttl", type=float, default=3.0, help="seconds a lease lasts without renewal"

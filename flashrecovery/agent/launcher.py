@@ -12,6 +12,7 @@ from typing import Any
 from flashrecovery.agent.config import AgentConfig, Endpoint, SpareRefill, StartMethod
 from flashrecovery.errors import ConfigError
 from flashrecovery.observe.exporter import add_metrics_port
+from flashrecovery.options import add_job_option
 from flashrecovery.records import StragglerPolicy
 from flashrecovery.trainer_hooks import probe
 from flashrecovery.trainer_hooks.env import GroupRebuild
@@ -79,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="URL",
         help="event log URL (default: sqlite://<cwd>/runs/<job-id>/log.db)",
     )
-    parser.add_argument("--job-id", default=None, metavar="ID", help="default: generated")
+    add_job_option(parser, dest="job_id", help="default: generated")
     parser.add_argument(
         "--heartbeat-interval",
         type=float,

@@ -33,7 +33,7 @@ def open_log(url: str, *, read_only: bool = False) -> LogConnector:
     if scheme == "sqlite":
         from flashrecovery.connectors.embedded import EmbeddedLog
 
-        return EmbeddedLog.from_url(url, must_exist=read_only)
+        return EmbeddedLog.from_url(url, read_only=read_only)
     if scheme == "kafka":
         from flashrecovery.connectors.kafka import KafkaLog
 

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, unquote
+from urllib.parse import parse_qsl, quote, unquote
 
 from flashrecovery.connectors.base import Entry, LogConnector
 from flashrecovery.connectors.commit_signal import Signaller, Waiter
@@ -140,9 +140,17 @@ class _Connection:
 class EmbeddedLog(LogConnector):
     """Append-only log in one SQLite file; a table per stream, one connection per thread."""
 
-    def __init__(self, path: Path, *, timeout: float = DEFAULT_TIMEOUT_S, url: str = "") -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        url: str = "",
+        read_only: bool = False,
+    ) -> None:
         super().__init__()
         self.path = path
+        self.read_only = read_only  # a reader's: opens a log that exists, changes no byte
         self.timeout = timeout
         self.url = url or f"{_PREFIX}{path}"
         self._local = threading.local()
@@ -155,11 +163,11 @@ class EmbeddedLog(LogConnector):
         self._connection()  # create the file and schema now, so a bad path fails at open
 
     @classmethod
-    def from_url(cls, url: str, *, must_exist: bool = False) -> EmbeddedLog:
+    def from_url(cls, url: str, *, read_only: bool = False) -> EmbeddedLog:
         path, timeout = _parse_url(url)
-        if must_exist and not path.is_file():
+        if read_only and not path.is_file():
             raise LogError(f"no log at {path} (from {url})")
-        return cls(path, timeout=timeout, url=url)
+        return cls(path, timeout=timeout, url=url, read_only=read_only)
 
     # ------------------------------------------------------------ connections
 
@@ -200,16 +208,26 @@ class EmbeddedLog(LogConnector):
 
     def _open(self) -> sqlite3.Connection:
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if not self.read_only:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
             db = sqlite3.connect(
-                self.path, timeout=self.timeout, isolation_level=None, check_same_thread=False
+                f"file:{quote(str(self.path))}?mode={'ro' if self.read_only else 'rwc'}",
+                uri=True,
+                timeout=self.timeout,
+                isolation_level=None,
+                check_same_thread=False,
             )
         except (OSError, sqlite3.Error) as exc:
             raise LogError(f"cannot open log {self.url} ({self.path}): {exc}") from None
         try:
-            self._prepare(db)
+            if self.read_only:
+                self._check_is_log(db)
+            else:
+                self._prepare(db)
         except sqlite3.Error as exc:
             db.close()
+            if self.read_only:
+                raise LogError(f"{self.path} is not a flashrecovery log ({exc})") from None
             raise LogError(f"cannot use log {self.url} ({self.path}): {exc}") from None
         return db
 
@@ -241,6 +259,15 @@ class EmbeddedLog(LogConnector):
         except BaseException:
             db.execute("ROLLBACK")
             raise
+
+    def _check_is_log(self, db: sqlite3.Connection) -> None:
+        """A reader's check, which writes nothing: the file holds flashrecovery's tables (a
+        file of another program, or an empty one, is named as such, never given them)."""
+        tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master")}
+        wanted = {*(stream.value for stream in Stream), "jobs"}
+        if self._schema_version(db) != SCHEMA_VERSION or not wanted <= tables:
+            db.close()
+            raise LogError(f"{self.path} is not a flashrecovery log (from {self.url})")
 
     @staticmethod
     def _schema_version(db: sqlite3.Connection) -> int:

@@ -25,6 +25,7 @@ from flashrecovery.connectors import open_log
 from flashrecovery.connectors.base import LogConnector
 from flashrecovery.errors import LogError
 from flashrecovery.observe.metrics import PER_RANK_LIMIT, JobFold, families
+from flashrecovery.options import add_job_option
 from flashrecovery.records import Stream
 
 log = structlog.get_logger("flashrecovery.metrics")
@@ -143,7 +144,7 @@ def add_metrics_port(parser: argparse.ArgumentParser) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log", required=True, help="log URL")
-    parser.add_argument("--job", required=True, help="job id")
+    add_job_option(parser, dest="job", required=True, help="job id")
     parser.add_argument(
         "--port", type=int, default=DEFAULT_PORT, help=f"0: any free port (default {DEFAULT_PORT})"
     )

@@ -15,6 +15,7 @@ from pathlib import Path
 from flashrecovery.connectors import open_log
 from flashrecovery.connectors.chain import read_streams
 from flashrecovery.errors import ConfigError, LogError
+from flashrecovery.options import add_job_option
 from flashrecovery.records import Stream
 from flashrecovery.replay.replayer import replay_job
 from flashrecovery.replay.report import print_chain, print_replay, print_what_if
@@ -24,7 +25,7 @@ from flashrecovery.replay.whatif import compare, parse_settings
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log", required=True, help="log URL, e.g. sqlite://runs/JOB/log.db")
-    parser.add_argument("--job", required=True, help="job id")
+    add_job_option(parser, dest="job", required=True, help="job id")
     parser.add_argument("--until", type=int, default=None, help="stop after this events position")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.add_argument(

@@ -22,7 +22,8 @@ from flashrecovery.connectors import open_log
 from flashrecovery.connectors.base import Entry, LogConnector
 from flashrecovery.connectors.follow import StreamCursor
 from flashrecovery.errors import LogError
-from flashrecovery.records import Stream
+from flashrecovery.options import add_job_option
+from flashrecovery.records import TYPE_NAMES, Stream
 
 SUMMARY_SKIP = {
     "schema_version",
@@ -39,10 +40,15 @@ SUMMARY_SKIP = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log", required=True, help="log URL, e.g. sqlite://runs/JOB/log.db")
-    parser.add_argument("--job", help="job id (default: every job in the log)")
+    add_job_option(parser, dest="job", help="job id (default: every job in the log)")
     parser.add_argument("--rank", type=int, help="only records about this rank")
     parser.add_argument(
-        "--type", action="append", dest="types", help="only this record type (repeatable)"
+        "--type",
+        action="append",
+        dest="types",
+        type=record_type,
+        metavar="TYPE",
+        help="only this record type (repeatable), e.g. isolate_rank",
     )
     parser.add_argument("--since", type=int, default=0, help="first position to show")
     parser.add_argument(
@@ -50,6 +56,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--follow", action="store_true", help="keep printing new records")
     parser.add_argument("--json", action="store_true", help="JSON lines instead of a table")
+
+
+def record_type(name: str) -> str:
+    """A record type the log can hold; a typo is named with the types there are, never an
+    empty table."""
+    if name not in TYPE_NAMES:
+        known = ", ".join(sorted(TYPE_NAMES))
+        raise argparse.ArgumentTypeError(f"no record type {name!r}; the types are: {known}")
+    return name
 
 
 def matches(entry: Entry, args: argparse.Namespace) -> bool:
