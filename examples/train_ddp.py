@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-import flashrecovery.trainer_hooks as flashrecovery
+import flashrecovery
 
 
 def dataset() -> TensorDataset:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-import flashrecovery.trainer_hooks as flashrecovery
+import flashrecovery
 
 
 def main() -> None:
