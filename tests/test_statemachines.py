@@ -171,6 +171,10 @@ def test_diagram_command_prints_one_machine_or_writes_markdown(
     assert run_cli(["diagram", "--machine", "incident"]) == 0
     out = capsys.readouterr().out
     assert out == "%% incident\n" + diagram.mermaid(MACHINES["incident"])
+    assert run_cli(["diagram"]) == 0  # every machine: a fence each, never run together
+    every = capsys.readouterr().out
+    assert every == diagram.markdown(list(MACHINES))
+    assert every.count("```mermaid\nstateDiagram-v2\n") == every.count("\n```\n") == len(MACHINES)
 
     target = tmp_path / "docs" / "machines.md"
     assert run_cli(["diagram", "--markdown", str(target)]) == 0

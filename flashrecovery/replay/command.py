@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.add_argument(
         "--plot",
-        type=Path,
+        type=plot_path,
         metavar="PNG",
         help="draw the job's timeline (a lane per rank, host, spare and the engine) to this file",
     )
@@ -49,6 +49,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also check every writer's hash chain and the final record's seal; report the "
         "first break (position, writer)",
     )
+
+
+PLOT_FORMATS = ("png", "svg", "pdf", "jpg", "jpeg", "webp", "tif", "tiff", "eps", "ps")
+
+
+def plot_path(value: str) -> Path:
+    """Where the timeline goes: a picture format matplotlib writes, in a directory that
+    exists (nothing is made: a mistyped directory is said, not created)."""
+    path = Path(value)
+    kind = path.suffix.lstrip(".").lower()
+    if kind not in PLOT_FORMATS:
+        raise argparse.ArgumentTypeError(
+            f"{value}: the timeline is a picture; end the name in .{', .'.join(PLOT_FORMATS)}"
+        )
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{value}: no directory {path.parent}")
+    return path
 
 
 def run(args: argparse.Namespace) -> int:

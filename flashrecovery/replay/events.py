@@ -148,20 +148,28 @@ def print_rows(
 def _batches(
     log: LogConnector, args: argparse.Namespace
 ) -> Iterator[list[tuple[str, Stream, Entry]]]:
-    streams = [Stream(args.stream)] if args.stream else list(Stream)
+    shown = [Stream(args.stream)] if args.stream else list(Stream)
     jobs = [args.job] if args.job else log.jobs()
-    cursors = {job: [StreamCursor(log, s, job, args.since) for s in streams] for job in jobs}
+    # Both streams are read, shown or not: a job's end (its JobFinished, on the events)
+    # ends --follow once every job followed has ended.
+    cursors = {job: [StreamCursor(log, s, job, args.since) for s in Stream] for job in jobs}
+    ended: set[str] = set()
     wait_s = 0.0  # the first batch is what is there already
     while True:
-        yield [
+        rows = [
             (job, stream, entry)
             for job, job_cursors in cursors.items()
             for stream, entry in merged(job_cursors, wait_s)
-            if matches(entry, args)
         ]
-        if not args.follow:
+        ended |= {job for job, _, entry in rows if _is_end(entry)}
+        yield [row for row in rows if row[1] in shown and matches(row[2], args)]
+        if not args.follow or ended >= set(jobs):
             return
         wait_s = 0.5
+
+
+def _is_end(entry: Entry) -> bool:
+    return entry.record is not None and entry.record.type == "job_finished"
 
 
 def run(args: argparse.Namespace) -> int:

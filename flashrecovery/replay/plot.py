@@ -7,6 +7,7 @@ from pathlib import Path
 import matplotlib
 
 from flashrecovery.connectors.base import LogConnector
+from flashrecovery.errors import ConfigError
 from flashrecovery.records import Stream
 from flashrecovery.replay.replayer import ReplayReport, replay_job
 from flashrecovery.replay.timeline import Timeline, build
@@ -48,9 +49,12 @@ def render(line: Timeline, path: Path) -> Path:
         _draw(row[0], line, start - pad, end + pad, label_phases=True)
         row[0].set_title(f"{incident}, zoomed in", fontsize=9, loc="left")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as exc:
+        raise ConfigError(f"cannot write the timeline to {path}: {exc.strerror or exc}") from None
+    finally:
+        plt.close(fig)
     return path
 
 

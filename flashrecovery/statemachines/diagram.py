@@ -103,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         args.markdown.write_text(markdown(names))
         return 0
-    # Mermaid comments name each diagram, so the output of "all" can be split apart.
-    print("\n".join(f"%% {name}\n{mermaid(MACHINES[name])}" for name in names), end="")
+    if len(names) > 1:  # one mermaid fence each: a renderer takes one diagram at a time
+        print(markdown(names), end="")
+    else:  # one machine: mermaid as it is, for a renderer's standard input
+        print(f"%% {names[0]}\n{mermaid(MACHINES[names[0]])}", end="")
     return 0
