@@ -201,7 +201,7 @@ def test_console_script_is_installed(scripted_log: str) -> None:
     assert json.loads(done.stdout)["ok"]
 
 
-def test_events_follow_prints_records_as_they_arrive(tmp_path: Path) -> None:
+def test_events_follow_prints_records_as_they_arrive_and_ends_with_the_job(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'live.db'}"
     world = SimulatedWorld("followed", world_size=1, spares=0)
     with open_log(url) as log:
@@ -228,6 +228,10 @@ def test_events_follow_prints_records_as_they_arrive(tmp_path: Path) -> None:
             assert json.loads(follower.stdout.readline())["type"] == "job_started"
             log.append(Stream.EVENTS, rest[0])  # appended while the command is following
             assert json.loads(follower.stdout.readline())["type"] == "rank_joined"
+            for record in world.finish():  # the job's end ends the command, rc 0
+                log.append(Stream.EVENTS, record)
+            assert follower.wait(timeout=30) == 0
+            assert json.loads(follower.stdout.read().splitlines()[-1])["type"] == "job_finished"
         finally:
             follower.kill()
             follower.wait(timeout=30)
@@ -282,3 +286,25 @@ def test_a_file_that_is_not_a_log_is_named_so_and_left_as_it_was(
     assert f"{path} is not a flashrecovery log" in out + err
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other.db"]
+
+
+@pytest.mark.parametrize(
+    ("plot", "message"),
+    [
+        ("timeline.txt", "the timeline is a picture; end the name in .png"),
+        ("/proc/x.png", "cannot write the timeline to /proc/x.png"),
+        ("{tmp}/missing/dir/x.png", "no directory {tmp}/missing/dir"),
+    ],
+)
+def test_a_timeline_that_cannot_be_written_is_one_line_and_makes_no_directory(
+    capsys: pytest.CaptureFixture[str], scripted_log: str, tmp_path: Path, plot: str, message: str
+) -> None:
+    argv = ["replay", "--log", scripted_log, "--job", JOB, "--plot", plot.format(tmp=tmp_path)]
+    try:
+        code, out, err = run_cli(capsys, *argv)
+    except SystemExit as exited:  # refused by the argument parser, before anything is read
+        code, (out, err) = int(str(exited.code)), capsys.readouterr()
+    assert code == 2
+    assert message.format(tmp=tmp_path) in err and "Traceback" not in out + err
+    assert sum("error" in line for line in (out + err).splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
