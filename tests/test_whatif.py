@@ -135,3 +135,20 @@ def test_spare_heartbeats_are_resampled_too(hung_log: MemoryLog) -> None:
     assert any(isinstance(e.record, SpareHeartbeat) for e in events)
     comparison = compare(JOB, events, parse_settings(["heartbeat_interval=0.2"]))
     assert not [d for d in comparison.what_if.decisions if d.type == "retire_spare"]
+
+
+@pytest.mark.parametrize("fixture", ["recovery", "node_loss", "chaos"])
+def test_beats_a_node_record_carries_are_resampled_per_process(fixture: str) -> None:
+    """A recorded demo's ranks and spare beat through their agent's node records; a shorter
+    interval must find no silence where the recorded processes were beating (a rank's beat
+    that missed one node record and rode the next is no gap)."""
+    db = Path(__file__).resolve().parent / "fixtures" / f"{fixture}.db"
+    with open_log(f"sqlite://{db}", read_only=True) as log:
+        job = next(j for j in log.jobs() if not j.endswith("-reference"))
+        events = log.read(Stream.EVENTS, job)
+    assert any(getattr(e.record, "beats", None) for e in events)
+    comparison = compare(job, events, parse_settings(["heartbeat_interval=0.5"]))
+    decided = [d.type for d in comparison.what_if.decisions]
+    assert "retire_spare" not in decided
+    recorded = [d.type for d in comparison.recorded.decisions]
+    assert decided.count("isolate_rank") == recorded.count("isolate_rank")

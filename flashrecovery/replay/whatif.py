@@ -76,6 +76,7 @@ SCALE = 1_000_000  # what-if positions: recorded p -> p * SCALE, inserted record
 VIRTUAL_SPARE = 1_000_000  # ids (and pids) of spares only the what-if run has
 FREEZE_S = 120.0  # longest wait for a what-if detection the recorded run made sooner
 FRESH_BEATS = 1.5  # a process that beat within this many recorded intervals is beating
+SEED = -1  # the position of a beat that is no record (a spare's readiness): never dropped
 THIN_SLACK = 0.9  # a longer interval keeps a beat this fraction of it after the last kept
 
 
@@ -174,40 +175,58 @@ def _beats(events: list[Entry], recorded: float, policy: float) -> tuple[set[int
     recorded beats to drop, and the beats to add (each process on its own)."""
     if policy == recorded:
         return set(), []
-    by_process: dict[tuple[str, int, int], list[Entry]] = {}
+    by_process: dict[tuple[str, int, int], list[tuple[int, Beat]]] = {}
     for entry in events:
         record = entry.record
-        if isinstance(record, BEATS):
-            by_process.setdefault(_process(record), []).append(entry)
+        if isinstance(record, SpareReady) and policy < recorded:
+            # A spare beats from the moment it is ready: its first beat under the policy's
+            # interval comes that long after, not when its first recorded one did.
+            ready = SpareHeartbeat(**_envelope(record), spare_id=record.spare_id, pid=record.pid)
+            by_process.setdefault(_process(ready), []).append((SEED, ready))
+        if not isinstance(record, BEATS):
+            continue
+        by_process.setdefault(_process(record), []).append((entry.position, record))
+        if isinstance(record, NodeHeartbeat) and policy < recorded:
+            # The beats a node's record carries are its processes' own, at the record's
+            # time (as the engine applies them): each process is resampled on its own, for
+            # a rank's beat may miss one node record and ride the next.
+            for beat in record.beats:
+                at_node = beat.model_copy(update={"ts": record.ts, "record_id": record.record_id})
+                by_process.setdefault(_process(at_node), []).append((entry.position, at_node))
     dropped: set[int] = set()
     added: list[Envelope] = []
     for beats in by_process.values():
-        kept = beats[0].record
-        for entry, following in zip(beats, [*beats[1:], None], strict=True):
-            record = entry.record
-            assert record is not None and kept is not None
+        kept = beats[0][1]
+        for (position, record), following in zip(beats, [*beats[1:], None], strict=True):
             if policy > recorded:
                 if record is not kept and record.ts - kept.ts < THIN_SLACK * policy:
-                    dropped.add(entry.position)
+                    dropped.add(position)
                 else:
                     kept = record
                 continue
-            if following is None or following.record is None:
+            if following is None:
                 continue  # after a process's last beat nothing says it was alive
-            until = min(following.record.ts, record.ts + recorded)
+            until = min(following[1].ts, record.ts + recorded)
             k = 1
             while record.ts + k * policy < until:
-                added.append(
-                    record.model_copy(
-                        update={
-                            "ts": round(record.ts + k * policy, 6),
-                            "record_id": f"what-if:{record.record_id}:{k}",
-                            "chain": None,
-                        }
-                    )
-                )
+                added.append(_beat_at(record, k, round(record.ts + k * policy, 6)))
                 k += 1
     return dropped, added
+
+
+def _envelope(record: Envelope) -> dict[str, Any]:
+    fields = ("job_id", "generation", "source", "ts", "record_id")
+    return {name: getattr(record, name) for name in fields}
+
+
+def _beat_at(record: Beat, k: int, ts: float) -> Envelope:
+    """The ``k``-th beat added after ``record``: a node's carries nothing of its own (its
+    processes' beats and its link samples are resampled, or counted, once)."""
+    whose = ":".join(map(str, _process(record)))  # a node's record carries several beats
+    update: dict[str, Any] = {"ts": ts, "record_id": f"what-if:{record.record_id}:{whose}:{k}"}
+    if isinstance(record, NodeHeartbeat):
+        update |= {"beats": [], "links": []}
+    return record.model_copy(update={**update, "chain": None})
 
 
 def _virtual_spares(
