@@ -9,9 +9,15 @@ JOB_SPELLINGS = ("--job", "--job-id")
 
 
 def add_job_option(
-    parser: argparse.ArgumentParser, *, dest: str, help: str, required: bool = False
+    parser: argparse.ArgumentParser,
+    *,
+    dest: str,
+    help: str,
+    required: bool = False,
+    also: tuple[str, ...] = (),
 ) -> None:
-    """The job's id, as ``--job`` or ``--job-id``."""
+    """The job's id, as ``--job`` or ``--job-id`` (and ``also``: torchrun's ``--rdzv-id`` on
+    `run`)."""
     parser.add_argument(
-        *JOB_SPELLINGS, dest=dest, required=required, default=None, metavar="ID", help=help
+        *JOB_SPELLINGS, *also, dest=dest, required=required, default=None, metavar="ID", help=help
     )

@@ -9,6 +9,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from flashrecovery.agent import torchrun_options as torchrun
 from flashrecovery.agent.config import AgentConfig, Endpoint, SpareRefill, StartMethod
 from flashrecovery.errors import ConfigError
 from flashrecovery.observe.exporter import add_metrics_port
@@ -26,16 +27,25 @@ def one_of(default: StrEnum) -> dict[str, Any]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--nproc-per-node", type=int, required=True, metavar="N", help="ranks on each node"
+    add = torchrun.spelled(parser)
+    add(
+        "--nproc-per-node",
+        type=torchrun.nproc,
+        required=True,
+        metavar="N",
+        help="ranks on each node (or torchrun's auto, cpu, gpu)",
     )
-    parser.add_argument(
-        "--spares", type=int, default=0, metavar="S", help="hot spare processes on each node"
+    add("--spares", type=int, default=0, metavar="S", help="hot spare processes on each node")
+    add(
+        "--nnodes",
+        type=torchrun.nnodes,
+        default=(1, 1),
+        metavar="N|MIN:MAX",
+        help="training nodes, one agent each; torchrun's MIN:MAX trains on MIN and keeps up "
+        "to MAX-MIN whole nodes of hot spares (the world never shrinks: spares take the place "
+        "of a lost node)",
     )
-    parser.add_argument(
-        "--nnodes", type=int, default=1, metavar="N", help="training nodes, one agent each"
-    )
-    parser.add_argument(
+    add(
         "--node-rank",
         type=_node_rank,
         default=NODE_RANK_OMITTED,
@@ -44,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "given at rendezvous (a node joining a running job adds its spares); omitted: 0 if "
         "this host can listen on --rdzv-endpoint and nobody does yet, else auto",
     )
-    parser.add_argument(
+    add(
         "--rdzv-endpoint",
         type=_endpoint,
         default=None,
@@ -52,21 +62,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where node 0's agent hosts the job's store (multi-node jobs; every agent needs "
         "FLASHRECOVERY_STORE_PREFIX, the job's secret, in its environment: docs/multinode.md)",
     )
-    parser.add_argument(
+    add(
         "--control-plane",
         action="store_true",
         help="the rendezvous store and the preferred engine run in `flashrecovery "
         "control-plane` at --rdzv-endpoint; the agents' engines stand by, and its loss "
         "costs one lease handover",
     )
-    parser.add_argument(
+    add(
         "--spare-nodes",
         type=int,
         default=0,
         metavar="M",
         help="whole nodes of hot spares (node ranks NNODES..NNODES+M-1, N spares each)",
     )
-    parser.add_argument(
+    add(
         "--node-wait",
         type=float,
         default=30.0,
@@ -74,21 +84,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a lost node's ranks with no spare left wait this long for a node to join, then "
         "the job fails (default 30)",
     )
-    parser.add_argument(
+    add(
         "--log",
         default=None,
         metavar="URL",
         help="event log URL (default: sqlite://<cwd>/runs/<job-id>/log.db)",
     )
-    add_job_option(parser, dest="job_id", help="default: generated")
-    parser.add_argument(
+    add_job_option(parser, dest="job_id", help="default: generated", also=torchrun.JOB_ID)
+    add(
         "--heartbeat-interval",
         type=float,
         default=1.0,
         metavar="SEC",
         help="seconds between a rank's heartbeats; 3 missed ones fail the rank (default 1.0)",
     )
-    parser.add_argument(
+    add(
         "--stall-timeout",
         type=float,
         default=5.0,
@@ -96,7 +106,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="no step progress for max(10 x median step, SEC) while peers wait in the commit "
         "makes the rank holding them up suspect; a second such window fails it (default 5.0)",
     )
-    parser.add_argument(
+    add(
         "--straggler-policy",
         **one_of(StragglerPolicy.REPORT),
         help="what to do with a node whose link slows the job (its probes to its peers lost or "
@@ -104,21 +114,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "or also replace its ranks with spares of other nodes when they can take them all "
         "(replace); needs 3 nodes or more to tell the node from the network",
     )
-    parser.add_argument(
+    add(
         "--external-engine",
         action="store_true",
         help="run no engine in the agent: the job's decisions come from `flashrecovery engine "
         "--log URL --job ID` services (several may share the job through a lease)",
     )
-    parser.add_argument(
+    add(
         "--max-replacements",
+        "--max-restarts",
         type=int,
         default=3,
         metavar="N",
         help="the job fails when the same rank fails N times at the same committed step (a crash "
         "loop; a rank that never reaches its first step fails at step -1) (default 3)",
     )
-    parser.add_argument(
+    add(
         "--shards",
         type=int,
         default=1,
@@ -126,7 +137,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="model shards (HSDP: the mesh's shard dimension); rank r holds shard r %% S, "
         "the ranks of one shard are its replicas (default 1: pure data parallel)",
     )
-    parser.add_argument(
+    add(
         "--group-rebuild",
         **one_of(GroupRebuild.FRESH),
         help="how the process groups a script holds (DDP, FSDP2, DeviceMesh) change generation: "
@@ -135,7 +146,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(reconfigure: torch's fault-tolerance API; on NCCL >= 2.28 the lost ranks are shrunk "
         "out and the replacements grown in, no bootstrap of the whole group)",
     )
-    parser.add_argument(
+    add(
         "--checkpoint-dir",
         type=Path,
         default=None,
@@ -144,35 +155,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "replica of a shard is left, every rank loads the latest complete one and the job "
         "carries on (needs --checkpoint-every)",
     )
-    parser.add_argument(
+    add(
         "--checkpoint-every",
         type=int,
         default=0,
         metavar="K",
         help="save a checkpoint after every K committed steps (with --checkpoint-dir)",
     )
-    parser.add_argument(
+    add(
         "--max-incidents",
         type=int,
         default=None,
         metavar="N",
         help="the job fails at its incident N+1 (default: no bound)",
     )
-    parser.add_argument(
+    add(
         "--spare-refill",
         **one_of(SpareRefill.IMMEDIATE),
         help="start a new spare as soon as one is taken (immediate, the default) or once the "
         "recovery that took it is over (after-recovery); a spare that dies or goes silent is "
         "replaced at once either way",
     )
-    parser.add_argument(
+    add(
         "--start-method",
         **one_of(StartMethod.FORKSERVER),
         help="forkserver (the default): every rank and spare is forked from one process per "
         "node that has imported torch already, which starts them in a fraction of a second; "
         "exec: a new interpreter for each, as `python script.py` (seconds of imports each)",
     )
-    parser.add_argument(
+    add(
         "--output-dir",
         type=Path,
         default=None,
@@ -180,7 +191,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="write each process's output to its own file here",
     )
     add_metrics_port(parser)
-    parser.add_argument(
+    add(
         "--final-state",
         type=Path,
         default=None,
@@ -188,6 +199,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="each rank's session.finish() writes the digest of its final parameters to "
         "DIR/rank<r>.json (for a bitwise comparison of runs: `flashrecovery chaos`)",
     )
+    torchrun.add_arguments(add)
     parser.add_argument("script", type=Path, help="the training script")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
 
@@ -228,6 +240,8 @@ def run(args: argparse.Namespace) -> int:
     from flashrecovery.agent.job import Agent  # imports torch: only once the arguments are read
 
     try:
+        for note in torchrun.resolve(args):
+            print(f"flashrecovery run: {note}", file=sys.stderr)
         agent = Agent(
             AgentConfig(
                 script=args.script,
