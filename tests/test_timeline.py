@@ -46,8 +46,9 @@ def test_incident_spans_last_what_replay_says_each_phase_lasted() -> None:
     assert (fault.lane, fault.label) == ("rank 1", "signal 9")
     [spare] = [s for s in line.spans if s.kind == "spare"]
     activated = next(e.record for e in events if e.record and e.record.type == "spare_activated")
-    assert spare.label == "→ rank 1"
-    assert spare.end == pytest.approx(activated.ts - line.t0)
+    [taken] = [m for m in line.marks if m.kind == "takeover"]
+    assert (spare.label, taken.lane, taken.label) == ("ready", "spare 0", "→ rank 1")
+    assert spare.end == taken.at == pytest.approx(activated.ts - line.t0)  # where it took over
     [lease] = [s for s in line.spans if s.kind == "lease"]
     assert lease.label == "engine in the agent"
 
@@ -90,3 +91,17 @@ def test_a_hang_is_marked_where_the_silence_began_and_zoomed_in_on(tmp_path: Pat
     assert start == pytest.approx(fault.at)
     assert end - start == pytest.approx(sum(line.phases(incident.incident_id).values()))
     assert image.imread(render(line, tmp_path / "hang.png")).shape[0] > 600  # two panels
+
+
+def test_the_host_lane_spans_the_beats_its_agent_carried() -> None:
+    """A recorded demo's ranks beat through their agent's node records: the host was heard
+    from for the whole job, not at its ranks' joins only (a hairline)."""
+    db = Path(__file__).resolve().parent / "fixtures" / "recovery.db"
+    with open_log(f"sqlite://{db}", read_only=True) as log:
+        [job] = log.jobs()
+        events = log.read(Stream.EVENTS, job)
+        line = build(events, replay_job(log, job))
+    carried = [e.record.ts - line.t0 for e in events if getattr(e.record, "beats", None)]
+    [host] = [s for s in line.spans if s.kind == "heard"]
+    assert carried and host.end == pytest.approx(max(carried))
+    assert host.end - host.start > 1.0  # the joins alone span a few milliseconds

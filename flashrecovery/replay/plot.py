@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import matplotlib
@@ -23,6 +24,13 @@ PHASE_COLOURS: dict[str, str] = dict(
 )
 KIND_COLOURS = {"spare": "#9ecae1", "lease": "#c7e9c0", "heard": "#eeeeee"}
 LANE_HEIGHT = 0.6
+LABEL_GAP = 0.06  # of the window's width: labels closer than this on one lane would overlap
+# kind -> marker, size, colour, label colour
+MARK_STYLES = {
+    "fault": ("X", 80, "#d62728", "#d62728"),
+    "symptom": ("v", 40, "#ff7f0e", "#a65500"),
+    "takeover": (">", 40, "#2c7fb8", "#2c7fb8"),
+}
 
 
 ZOOMED = 3  # incidents drawn again below, zoomed in on their phases
@@ -50,6 +58,7 @@ def render(line: Timeline, path: Path) -> Path:
         row[0].set_title(f"{incident}, zoomed in", fontsize=9, loc="left")
     fig.tight_layout()
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)  # the CLI checked it exists already
         fig.savefig(path, dpi=110)
     except OSError as exc:
         raise ConfigError(f"cannot write the timeline to {path}: {exc.strerror or exc}") from None
@@ -72,25 +81,32 @@ def _draw(ax: Axes, line: Timeline, x0: float, x1: float, *, label_phases: bool)
             ms = span.label.rsplit(" ", 2)[-2]
             ax.text(span.start + width / 2, y, f"{ms} ms", ha="center", va="center", fontsize=7,
                     color="white", clip_on=True)  # fmt: skip
-    if label_phases:  # every phase in the window with its duration, in its colour
+    if label_phases:  # every phase in the window with its duration, in its colour, beside the
+        # lanes (over them it hid the commits' step numbers)
         phases = [s for s in line.spans if s.kind in PHASE_COLOURS and x0 <= s.start <= x1]
         for i, span in enumerate(phases):
             _, phase, ms, _ = span.label.rsplit(" ", 3)
-            ax.text(0.995, 0.96 - i * 0.075, f"{phase} {ms} ms", transform=ax.transAxes,
-                    ha="right", va="top", fontsize=7, color=PHASE_COLOURS[span.kind])  # fmt: skip
+            ax.text(1.01, 0.96 - i * 0.075, f"{phase} {ms} ms", transform=ax.transAxes,
+                    ha="left", va="top", fontsize=7, color=PHASE_COLOURS[span.kind])  # fmt: skip
     commits = [m for m in line.marks if m.kind == "commit" and x0 <= m.at <= x1]
     ax.scatter([m.at for m in commits], [rows[m.lane] for m in commits], marker="|", s=60,
                color="#444444", linewidths=0.8)  # fmt: skip
-    if label_phases:
+    if label_phases:  # below the lane: the phases' durations are written inside it
         for mark in commits:
-            ax.annotate(mark.label, (mark.at, rows[mark.lane] + 0.2), fontsize=6, ha="center")
+            ax.annotate(mark.label, (mark.at, rows[mark.lane] - LANE_HEIGHT / 2), fontsize=6,
+                        ha="center", va="top")  # fmt: skip
+    last_label: dict[str, float] = {}  # lane -> where its last label above it was
     for mark in (m for m in line.marks if m.kind != "commit" and x0 <= m.at <= x1):
-        fault = mark.kind == "fault"
-        colour = "#d62728" if fault else "#ff7f0e"
-        ax.scatter([mark.at], [rows[mark.lane]], marker="X" if fault else "v",
-                   s=80 if fault else 40, color=colour, zorder=3)  # fmt: skip
-        ax.annotate(mark.label, (mark.at, rows[mark.lane] + LANE_HEIGHT / 2), fontsize=7,
-                    color="#d62728" if fault else "#a65500", ha="center", va="bottom")  # fmt: skip
+        marker, size, colour, text = MARK_STYLES[mark.kind]
+        ax.scatter([mark.at], [rows[mark.lane]], marker=marker, s=size, color=colour, zorder=3)
+        # Two labels close on one lane ("silent 3.0s", then "signal 9" as the rank is
+        # isolated): the second goes below the lane, never over the first.
+        crowded = mark.at - last_label.get(mark.lane, -math.inf) < (x1 - x0) * LABEL_GAP
+        label_y = rows[mark.lane] + (-1 if crowded else 1) * LANE_HEIGHT / 2
+        ax.annotate(mark.label, (mark.at, label_y), fontsize=7, color=text, ha="center",
+                    va="top" if crowded else "bottom")  # fmt: skip
+        if not crowded:
+            last_label[mark.lane] = mark.at
     ax.set_yticks(list(rows.values()), list(rows))
     ax.set_ylim(-0.8, len(line.lanes) - 0.2)
     ax.set_xlim(x0, x1)

@@ -45,7 +45,7 @@ class Mark:
     lane: str
     at: float
     label: str
-    kind: str  # "commit", "fault", "symptom"
+    kind: str  # "commit", "fault", "symptom", "takeover" (a spare took a rank, or died)
 
 
 @dataclass
@@ -106,6 +106,9 @@ def build(events: list[Entry], report: ReplayReport) -> Timeline:
         host = getattr(record, "host", None)
         if isinstance(record, Heartbeat | RankJoined) and host:
             hosts.setdefault(host, []).append(at)
+        for beat in getattr(record, "beats", ()):  # a node's record carries its ranks' beats
+            if isinstance(beat, Heartbeat):
+                hosts.setdefault(beat.host, []).append(at)
         if isinstance(record, StepCompleted):
             line.marks.append(Mark(rank_lane(record.rank), at, str(record.step), "commit"))
         elif isinstance(record, RankExited) and record.rank is not None:
@@ -120,9 +123,12 @@ def build(events: list[Entry], report: ReplayReport) -> Timeline:
             spares[record.spare_id] = (at, record.host)
         elif isinstance(record, SpareActivated | RankExited) and record.spare_id in spares:
             start, _ = spares.pop(record.spare_id)
+            lane = f"spare {record.spare_id}"
+            line.spans.append(Span(lane, start, at, "ready", "spare"))
             taken = isinstance(record, SpareActivated)
-            label = f"→ rank {record.rank}" if taken else "exited"
-            line.spans.append(Span(f"spare {record.spare_id}", start, at, label, "spare"))
+            line.marks.append(
+                Mark(lane, at, f"→ rank {record.rank}" if taken else "exited", "takeover")
+            )
         elif isinstance(record, JobFinished):
             line.marks.append(Mark("engine", at, f"job {record.status}", "symptom"))
     for spare_id, (start, _) in spares.items():
