@@ -2,41 +2,28 @@
 
 ``import flashrecovery`` offers the trainer hook as the docs call it
 (``flashrecovery.init_process_group()``, ``flashrecovery.init()``, the errors): the names of
-``flashrecovery.trainer_hooks``, which imports torch only on first use.
+``flashrecovery.trainer_hooks``, which imports torch only on first use. In a process an agent
+started, importing it also leaves the agent the exception that ends the process, if one does
+(trainer_hooks/exit_note.py).
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from flashrecovery.trainer_hooks import (
-        FallbackRequired,
-        JobFailed,
-        LaunchError,
-        ProtocolError,
-        ReplacedError,
-        Session,
-        Stateful,
-        init,
-        init_process_group,
-    )
+from flashrecovery import trainer_hooks as hooks
+from flashrecovery.trainer_hooks import exit_note
 
-__all__ = [
-    "FallbackRequired",
-    "JobFailed",
-    "LaunchError",
-    "ProtocolError",
-    "ReplacedError",
-    "Session",
-    "Stateful",
-    "init",
-    "init_process_group",
-]
+if TYPE_CHECKING:  # what a type checker sees of the names __getattr__ hands out
+    from flashrecovery.trainer_hooks import *  # noqa: F403
+
+__all__ = list(hooks.__all__)
 
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        return getattr(importlib.import_module("flashrecovery.trainer_hooks"), name)
+        return getattr(hooks, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+exit_note.install()

@@ -12,6 +12,11 @@ import os
 import sys
 from types import ModuleType
 
+from flashrecovery.logs import configure_logging, quiet_c10d
+
+INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
+AGENT_COMMANDS = ("run", "control-plane", "engine")  # the agents' own long-running processes
+
 COMMANDS: dict[str, str] = {
     "run": "flashrecovery.agent.launcher",
     "control-plane": "flashrecovery.agent.control_plane",
@@ -45,7 +50,14 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
             continue
         module = _load(name)
         doc = (module.__doc__ or "").strip().splitlines()
-        p = sub.add_parser(name, help=doc[0] if doc else None, description=doc[0] if doc else None)
+        # No abbreviations: a script's own `--out` after `run … script.py` must never be
+        # read as a prefix of an option (two spellings of --output-dir made it ambiguous).
+        p = sub.add_parser(
+            name,
+            help=doc[0] if doc else None,
+            description=doc[0] if doc else None,
+            allow_abbrev=False,
+        )
         module.add_arguments(p)
         p.set_defaults(_module=module)
     return parser
@@ -53,8 +65,8 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    from flashrecovery.logs import configure_logging
-
+    if next((a for a in argv if not a.startswith("-")), None) in AGENT_COMMANDS:
+        quiet_c10d()  # before torch loads
     configure_logging()
     args = build_parser(argv).parse_args(argv)
     try:
@@ -67,6 +79,11 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
+    except KeyboardInterrupt:
+        # Ctrl-C: what the command started was stopped on the way out (its context managers);
+        # one line and the shell's code for SIGINT, never a traceback.
+        print(f"flashrecovery {args.command}: interrupted", file=sys.stderr)
+        return INTERRUPTED
     return code
 
 

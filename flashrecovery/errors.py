@@ -59,6 +59,12 @@ class IllegalTransition(FlashRecoveryError):
         self.machine, self.trigger, self.state, self.stamp = machine, trigger, state, stamp
 
 
+class ScriptError(FlashRecoveryError):
+    """The script uses torch.distributed or the hook in a way that cannot work under
+    `flashrecovery run`; the message names the fix. No replacement would do better: the
+    process says it is fatal (``RankExited.fatal``) and the engine fails the job at once."""
+
+
 class ProtocolError(FlashRecoveryError):
     """The engine's plan contradicts this rank's state: a bug, never retried as a failure."""
 

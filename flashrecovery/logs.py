@@ -8,6 +8,18 @@ import sys
 
 import structlog
 
+TORCH_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"
+QUIETED_C10D = "FLASHRECOVERY_QUIETED_C10D"  # the agent set TORCH_LOG_LEVEL, not the user
+
+
+def quiet_c10d() -> None:
+    """An agent's process says in one line that a peer's store is gone; torch's c10d warnings
+    about it (with a C++ backtrace each) only bury that line. Called before torch loads,
+    unless the user chose a level; the ranks get the user's own (agent/job.py)."""
+    if TORCH_LOG_LEVEL not in os.environ:
+        os.environ[TORCH_LOG_LEVEL] = "ERROR"
+        os.environ[QUIETED_C10D] = "1"
+
 
 class _CurrentStderr:
     """Writes to whatever sys.stderr is now (a test harness may swap it after set-up)."""

@@ -248,6 +248,8 @@ class RankExited(Envelope):
     pid: int = Field(ge=1)
     exit_code: int | None = None
     signal: int | None = None
+    error: str | None = None  # the exception that ended it, its last line, if it raised one
+    fatal: bool = False  # that exception says the script cannot run (ScriptError): fail the job
     node: NodeId = 0  # the agent that saw it (pids are per host)
 
 

@@ -18,7 +18,7 @@ PACKAGE = Path(flashrecovery.__file__).resolve().parent
 # Lowest first; a part may import only parts of lower layers (and itself). README
 # "Architecture" and docs/protocol.md describe the same table.
 LAYERS: list[set[str]] = [
-    {"errors", "logs", "terminal", "heap", "line_sender"},
+    {"errors", "logs", "terminal", "heap", "line_sender", "options"},
     {"records"},
     {"statemachines", "connectors"},
     {"engine"},

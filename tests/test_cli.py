@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sqlite3
 import subprocess
@@ -308,3 +309,22 @@ def test_a_timeline_that_cannot_be_written_is_one_line_and_makes_no_directory(
     assert message.format(tmp=tmp_path) in err and "Traceback" not in out + err
     assert sum("error" in line for line in (out + err).splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_agents_quiet_c10d_and_leave_the_ranks_the_users_own_level(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from flashrecovery import logs
+    from flashrecovery.agent.job import _base_env
+
+    monkeypatch.delenv(logs.TORCH_LOG_LEVEL, raising=False)
+    monkeypatch.delenv(logs.QUIETED_C10D, raising=False)
+    logs.quiet_c10d()
+    assert os.environ[logs.TORCH_LOG_LEVEL] == "ERROR"
+    assert logs.TORCH_LOG_LEVEL not in _base_env()  # the ranks: torch's default, as the user's
+    monkeypatch.setenv(logs.TORCH_LOG_LEVEL, "INFO")
+    monkeypatch.delenv(logs.QUIETED_C10D)
+    logs.quiet_c10d()
+    assert (
+        os.environ[logs.TORCH_LOG_LEVEL] == "INFO" and _base_env()[logs.TORCH_LOG_LEVEL] == "INFO"
+    )

@@ -448,3 +448,28 @@ def test_an_isolated_rank_whose_process_exits_after_the_job_failed_is_no_engine_
     assert len(log.read(Stream.DECISIONS, JOB)) == decided
     assert engine.state.engine_faults == [] and engine.state.fenced == 1
     assert replay_job(log, JOB).ok
+
+
+def test_a_process_that_says_the_script_cannot_run_fails_the_job_at_once() -> None:
+    """A ScriptError (the script makes torch's default group itself) is no crash loop to wait
+    out: the first such exit fails the job, naming the error; a spare's stops the refills."""
+    log, world = MemoryLog(), SimulatedWorld(JOB, world_size=3, spares=1)
+    engine = EngineLoop(log, JOB)
+    drive(log, engine, world, [r for r in world.start() if r.type != "rank_joined"])
+    error = "flashrecovery.errors.ScriptError: the script calls torch.distributed.init_…"
+    spare = RankExited(
+        **world._env("agent"), spare_id=7, pid=4343, exit_code=1, error=error, fatal=True
+    )
+    [retired] = drive(log, engine, world, [spare])
+    assert retired.type == "retire_spare" and not retired.refill  # type: ignore[attr-defined]
+    assert "the script cannot run" in retired.reason  # type: ignore[attr-defined]
+    rank = world.kill(1).model_copy(update={"signal": None, "exit_code": 1, "error": error})
+    assert "fail_job" not in [d.type for d in drive(log, engine, world, [rank])]  # not fatal
+    fatal = world.kill(2).model_copy(
+        update={"signal": None, "exit_code": 1, "error": error, "fatal": True}
+    )
+    decisions = drive(log, engine, world, [fatal])
+    [failed] = [d for d in decisions if d.type == "fail_job"]
+    assert failed.failures == 1 and "cannot run the script" in failed.reason  # type: ignore[attr-defined]
+    assert error in failed.last_error  # type: ignore[attr-defined]
+    assert engine.state.job.state == "failed"

@@ -161,3 +161,25 @@ def test_the_supervisor_reports_a_rank_exit_either_way(
         assert output.name.startswith("rank1-") and "to stderr" in output.read_text()
     finally:
         supervisor.teardown()
+
+
+def test_a_child_ends_as_its_script_does_and_prints_only_what_it_prints(
+    server: ForkServer, tmp_path: Path
+) -> None:
+    """Exit functions run and output is flushed; nothing the server imported reports at the
+    child's exit (triton's nanobind printed dozens of "leaked" lines at each rank's end)."""
+    text = (
+        "import atexit, sys, threading, time\n"
+        "import torch._dynamo  # what a rank's DDP imports, with triton under it\n"
+        "atexit.register(lambda: print('exit function ran'))\n"
+        "threading.Thread(target=lambda: (time.sleep(0.2), print('thread ended'))).start()\n"
+        "print('done', end='')\n"
+        "sys.exit(int(sys.argv[1]))\n"
+    )
+    path = script(tmp_path, "ends.py", text)
+    for code in (0, 3):
+        output = tmp_path / f"ends{code}.log"
+        task = Task([sys.executable, str(path), str(code)], dict(os.environ), str(tmp_path),
+                    str(output))  # fmt: skip
+        assert server.spawn(task).wait(60) == code
+        assert output.read_text() == "donethread ended\nexit function ran\n"

@@ -118,6 +118,8 @@ class Actions:
                 self._supervisor.kill(decision.pid)
             if decision.refill:
                 self._spawn(self._supervisor.spawn_spare)
+            else:
+                self._say(f"flashrecovery: spare {decision.spare_id} {decision.reason}")
         elif isinstance(decision, IncidentClosed):
             for _ in range(self._spares - self._supervisor.idle_spares() - len(self._deferred)):
                 self._spawn(self._supervisor.spawn_spare)

@@ -23,6 +23,7 @@ outlive it, as they would outlive the agent.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import gc
@@ -43,6 +44,8 @@ from pathlib import Path
 from typing import Any
 
 import setproctitle
+
+from flashrecovery.trainer_hooks import exit_note, own_init_guard
 
 # What a rank imports before its script does anything (the hook's session imports torch).
 PRELOAD = (
@@ -76,8 +79,12 @@ def _send(sock: socket.socket, message: Mapping[str, Any]) -> None:
 
 
 def _lines(sock: socket.socket, pending: bytearray) -> list[dict[str, Any]] | None:
-    """The whole lines that have arrived (None once the other side closed)."""
-    data = sock.recv(1 << 16)
+    """The whole lines that have arrived (None once the other side closed, or died: a
+    SIGKILLed agent's end of the socket is reset, which ends the server as quietly)."""
+    try:
+        data = sock.recv(1 << 16)
+    except ConnectionResetError:
+        return None
     if not data:
         return None
     pending.extend(data)
@@ -120,6 +127,8 @@ def serve(sock: socket.socket) -> Task | None:
                     os.close(pidfds.pop(pid))
                     _, status = os.waitpid(pid, 0)
                     _send(sock, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+    except (BrokenPipeError, ConnectionResetError):
+        return None  # the agent died: its children are on their own, as they would be
     finally:
         selector.close()
         sock.close()
@@ -137,6 +146,8 @@ def run_child(task: Task) -> int:
     os.chdir(task.cwd)
     os.environ.clear()
     os.environ.update(task.env)
+    exit_note.install()
+    own_init_guard.install()
     signal.signal(signal.SIGINT, signal.default_int_handler)
     random.seed()
     import torch
@@ -171,7 +182,38 @@ def main() -> int:
     gc.freeze()  # what every child shares stays shared: the collector never writes to it
     _send(sock, {"ready": os.getpid()})
     task = serve(sock)
-    return 0 if task is None else run_child(task)
+    _end(0 if task is None else _exit_code(task))  # the server too: it imported them all
+    return 0  # not reached: _end does not return
+
+
+def _exit_code(task: Task) -> int:
+    """The child's script run to its end, and the code ``python script.py`` would exit with
+    (an uncaught exception is reported as the interpreter would: through sys.excepthook)."""
+    try:
+        return run_child(task)
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(exc.code, file=sys.stderr)
+        return 1
+    except BaseException as exc:
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+        return 1
+
+
+def _end(code: int) -> None:
+    """End the server, or a forked child, as multiprocessing ends its children: threads
+    joined, exit functions run, streams flushed, then ``os._exit``. Finalizing an interpreter
+    that imported triton has its nanobind print dozens of "leaked" lines (in a child, for
+    objects only the server made)."""
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]  # non-daemon threads, as at exit
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
 
 
 # ---------------------------------------------------------------------- the agent's side

@@ -22,7 +22,7 @@ from typing import Any
 import structlog
 
 import flashrecovery
-from flashrecovery import heap
+from flashrecovery import heap, logs
 from flashrecovery.agent import rendezvous
 from flashrecovery.agent.actions import SPAWNS_PER_S, Actions, SpawnBudget
 from flashrecovery.agent.config import AgentConfig, SpareRefill, StartMethod
@@ -53,7 +53,7 @@ from flashrecovery.records import (
     RankExited,
     Stream,
 )
-from flashrecovery.trainer_hooks import final_state, probe
+from flashrecovery.trainer_hooks import exit_note, final_state, probe
 from flashrecovery.trainer_hooks.decisions import PROCESS_DECISIONS
 from flashrecovery.trainer_hooks.env import (
     CHECKPOINT_DIR,
@@ -79,10 +79,11 @@ STORE_AWAY_S = 60.0  # the meeting store unreachable this long with no plan movi
 
 def _base_env() -> dict[str, str]:
     """What every process the agent starts (and its fork server) has in its environment."""
+    quieted = {logs.TORCH_LOG_LEVEL} if os.environ.get(logs.QUIETED_C10D) else set()
     inherited = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith("FLASHRECOVERY_") and k not in ("RANK", "LOCAL_RANK")
+        if not k.startswith("FLASHRECOVERY_") and k not in {"RANK", "LOCAL_RANK", *quieted}
     }
     # The ranks must speak the agent's protocol: import the agent's flashrecovery first.
     package_root = str(Path(flashrecovery.__file__).resolve().parent.parent)
@@ -122,6 +123,8 @@ class Agent:
         self.metrics: MetricsServer | None = None  # serving before the first rank starts
         self._engine: EngineLoop | None = None
         self._links: ProcessLinks | None = None  # the node's processes' records, once running
+        self._exit_notes: Path | None = None  # where its processes leave their last error
+        self._advised: set[str] = set()
         self._presence: Presence | None = None  # a multi-node job's watch of the other agents
         self._probe: LinkProbe | None = None  # ... and its probes of their links
 
@@ -172,6 +175,7 @@ class Agent:
         node_dir = NodeDir()
         relay = BeatRelay(node_dir.path)
         self._links = ProcessLinks(node_dir.path, self._log, LOG_OUTAGE_S)
+        self._exit_notes = node_dir.path
         if forks is not None and not forks.ready():
             log.warning("no fork server: each process starts a new interpreter", why=forks.refusal)
             forks.close()
@@ -481,12 +485,18 @@ class Agent:
             ),
             "FLASHRECOVERY_NODE": str(self.node),
             "FLASHRECOVERY_AGENT_SOCKET": relay.path,
+            **({exit_note.ENV: str(self._exit_notes)} if self._exit_notes is not None else {}),
             **({"FLASHRECOVERY_AGENT_LINK": self._links.path} if self._links is not None else {}),
         }
 
     def _on_exit(self, child: Child, code: int) -> None:
         """A waiter thread saw a child end: report it at once, after what it handed over."""
         exit_code, signal_number = (code, None) if code >= 0 else (None, -code)
+        note = exit_note.take(self._exit_notes, child.pid) if self._exit_notes else None
+        fix = exit_note.advice(note.error, spare=child.rank is None) if note else None
+        if note is not None and fix is not None and fix not in self._advised:
+            self._advised.add(fix)  # once: every spare meets it alike
+            print(f"flashrecovery: {note.error}: {fix}", file=sys.stderr, flush=True)
         if self._links is not None:
             self._links.drain(child.pid, LINK_DRAIN_S)
             if code != 0 and self._links.finished(child.pid):
@@ -508,6 +518,8 @@ class Agent:
                 pid=child.pid,
                 exit_code=exit_code,
                 signal=signal_number,
+                error=note.error if note else None,
+                fatal=bool(note and note.fatal),
                 node=self.node or 0,
             )
         )

@@ -10,6 +10,7 @@ Ctrl-C reaches only the agent, which then tears every child down itself, grandch
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import signal
 import subprocess
@@ -41,6 +42,7 @@ class Child:
     rank: int | None  # the rank it holds; None for a spare not (yet) assigned
     spare_id: int | None
     generation: int
+    slot: int  # its LOCAL_RANK: its place (its device) on this node, kept when assigned
 
     @property
     def pid(self) -> int:
@@ -87,6 +89,7 @@ class Supervisor:
         self._lock = threading.Lock()
         self._children: list[Child] = []
         self._holders: dict[int, Child] = {}  # rank -> the process holding it on this node
+        self._starting: set[int] = set()  # slots of processes being started
         self._tearing_down = False
 
     # ------------------------------------------------------------------ starting
@@ -97,7 +100,6 @@ class Supervisor:
         """``meet``: the store its generation meets on, when another than the agent's now."""
         env = {
             "RANK": str(rank),
-            "LOCAL_RANK": str(rank % self._per_node),
             "FLASHRECOVERY_ROLE": Role.RANK,
             "FLASHRECOVERY_GENERATION": str(generation),
             "FLASHRECOVERY_REPLACEMENT": "1" if replacement else "0",
@@ -122,25 +124,44 @@ class Supervisor:
         self, extra: dict[str, str], rank: int | None, spare_id: int | None, generation: int
     ) -> Child:
         output = None
+        with self._lock:
+            slot = self._free_slot(None if rank is None else rank % self._per_node)
+            self._starting.add(slot)
+        extra = {**extra, "LOCAL_RANK": str(slot)}
         if self._output_dir is not None:
             self._output_dir.mkdir(parents=True, exist_ok=True)
             name = f"rank{rank}" if spare_id is None else f"spare{spare_id}"
             output = self._output_dir / f"{name}-{time.time_ns()}.log"
         env = {**self._env, **extra}
         process: subprocess.Popen[bytes] | ForkedProcess | None = None
-        if self._forks is not None:
-            task = Task(self._command, env, os.getcwd(), None if output is None else str(output))
-            with contextlib.suppress(OSError):  # the server is gone: a new interpreter then
-                process = self._forks.spawn(task)
-        if process is None:
-            process = _start(self._command, env, output)
-        child = Child(process, rank=rank, spare_id=spare_id, generation=generation)
-        with self._lock:
-            self._children.append(child)
+        try:
+            if self._forks is not None:
+                task = Task(
+                    self._command, env, os.getcwd(), None if output is None else str(output)
+                )
+                with contextlib.suppress(OSError):  # the server is gone: a new interpreter then
+                    process = self._forks.spawn(task)
+            if process is None:
+                process = _start(self._command, env, output)
+            child = Child(process, rank=rank, spare_id=spare_id, generation=generation, slot=slot)
+            with self._lock:
+                self._children.append(child)
+        finally:
+            with self._lock:
+                self._starting.discard(slot)
         waiter = threading.Thread(target=self._wait, args=(child,), name=f"wait-{child.pid}")
         waiter.daemon = True
         waiter.start()
         return child
+
+    def _free_slot(self, preferred: int | None) -> int:
+        """A place on this node no live process holds: a rank's own (its rank modulo the
+        ranks per node) where it is free, else the lowest free one. A spare's is beyond the
+        ranks' at the start, and a lost rank's once its process is gone: the device it had."""
+        held = {c.slot for c in self._children if c.alive} | self._starting
+        if preferred is not None and preferred not in held:
+            return preferred
+        return next(slot for slot in itertools.count() if slot not in held)
 
     def _wait(self, child: Child) -> None:
         code = child.popen.wait()

@@ -53,8 +53,8 @@ def add_arguments(add: Add) -> None:
 
 def nproc(text: str) -> int:
     """A count of ranks, or torchrun's ``auto`` (the GPUs, else the CPUs), ``gpu``, ``cpu``."""
-    if text.isdigit() and int(text) > 0:
-        return int(text)
+    if text.lstrip("-").isdigit():
+        return int(text)  # the agent's config says what a count must be
     if text in ("auto", "gpu", "cpu"):
         count = _gpus() if text != "cpu" else 0
         if text == "gpu" and count == 0:

@@ -385,6 +385,7 @@ def _rank_exited(ctx: Context, record: RankExited) -> None:
         never_joined = state.ranks[record.rank].machine.state == RankState.PENDING
         holder = record.rank if never_joined else None  # died before saying who it was
     how = f"signal {record.signal}" if record.signal is not None else f"code {record.exit_code}"
+    how += f": {record.error}" if record.error else ""
     if holder is None:
         _spare_exited(ctx, record, how)
         return
@@ -394,9 +395,9 @@ def _rank_exited(ctx: Context, record: RankExited) -> None:
     if view.machine.state == RankState.ISOLATED:  # its replacement died before taking over
         if record.spare_id in state.spares:
             state.spares[record.spare_id].status = SpareStatus.GONE
-        recovery.replacement_died(ctx, holder, f"process {record.pid} exited ({how})")
+        recovery.replacement_died(ctx, holder, f"process {record.pid} exited ({how})", record.fatal)
         return
-    recovery.fail(ctx, holder, record.ts, f"process {record.pid} exited ({how})")
+    recovery.fail(ctx, holder, record.ts, f"process {record.pid} exited ({how})", record.fatal)
 
 
 def _spare_exited(ctx: Context, record: RankExited, how: str) -> None:
@@ -410,7 +411,9 @@ def _spare_exited(ctx: Context, record: RankExited, how: str) -> None:
         else:
             spare.status = SpareStatus.GONE
     elif record.spare_id is not None and record.spare_id not in state.spares:
-        recovery.spare_lost_unready(ctx, record.spare_id, record.pid, how, record.node)
+        recovery.spare_lost_unready(
+            ctx, record.spare_id, record.pid, how, record.node, record.fatal
+        )
     else:
         state.fenced += 1  # a process that no longer holds any rank
 

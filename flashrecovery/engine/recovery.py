@@ -34,9 +34,10 @@ def clear_suspicion(ctx: Context, view: RankView) -> None:
         ctx.fire(view.machine, Trigger.CLEAR)
 
 
-def fail(ctx: Context, rank: int, failure_ts: float, reason: str) -> None:
-    """Open an incident for a rank that is alive in the current generation."""
-    fail_ranks(ctx, [rank], failure_ts, reason)
+def fail(ctx: Context, rank: int, failure_ts: float, reason: str, fatal: bool = False) -> None:
+    """Open an incident for a rank that is alive in the current generation; ``fatal``: its
+    process said the script cannot run (a ScriptError), so the job fails in it."""
+    fail_ranks(ctx, [rank], failure_ts, reason, fatal=fatal)
 
 
 def fail_node(ctx: Context, node: int, failure_ts: float, reason: str) -> None:
@@ -63,7 +64,12 @@ def fail_node(ctx: Context, node: int, failure_ts: float, reason: str) -> None:
 
 
 def fail_ranks(
-    ctx: Context, ranks: list[int], failure_ts: float, reason: str, node: int | None = None
+    ctx: Context,
+    ranks: list[int],
+    failure_ts: float,
+    reason: str,
+    node: int | None = None,
+    fatal: bool = False,
 ) -> None:
     """Open one incident for the ranks that are alive in the current generation: isolate
     them, then either end the job (a guard tripped) or choose their replacements and plan the
@@ -104,7 +110,7 @@ def fail_ranks(
         ctx.fire(view.machine, Trigger.ISOLATE)
     ctx.fire(incident.machine, Trigger.ISOLATE)
     ctx.fire(state.job, Trigger.ISOLATE)
-    if _guard_tripped(ctx, ranks, reason, incident):
+    if _guard_tripped(ctx, ranks, reason, incident, fatal):
         return
 
     state.generation += 1
@@ -140,9 +146,12 @@ def _move_store(state: EngineState) -> str | None:
     return state.meeting
 
 
-def _guard_tripped(ctx: Context, ranks: list[int], error: str, incident: Incident) -> bool:
+def _guard_tripped(
+    ctx: Context, ranks: list[int], error: str, incident: Incident, fatal: bool = False
+) -> bool:
     """Count the failure of each rank at the job's committed step; fail the job instead of
-    recovering when one keeps failing there, or when the job has had its allowed incidents."""
+    recovering when one keeps failing there, when the job has had its allowed incidents, or
+    when the failure is ``fatal`` (the script cannot run: no replacement would do better)."""
     state, config = ctx.state, ctx.state.config
     assert config is not None
     step = state.max_committed()
@@ -151,7 +160,9 @@ def _guard_tripped(ctx: Context, ranks: list[int], error: str, incident: Inciden
             state.failures[(r, step)] += 1
     rank = max(ranks, key=lambda r: state.failures[(r, step)])
     failures = state.failures[(rank, step)]
-    if failures and failures >= config.max_replacements:
+    if fatal:
+        verdict = f"rank {rank} cannot run the script (no replacement would do better)"
+    elif failures and failures >= config.max_replacements:
         where = "before its first step" if step < 0 else f"at committed step {step}"
         verdict = f"rank {rank} failed {failures} times {where} (--max-replacements)"
     elif config.max_incidents is not None and len(state.incidents) > config.max_incidents:
@@ -182,14 +193,14 @@ def fail_job(
     state.verdict = f"{verdict}; last error: {error}"
 
 
-def replacement_died(ctx: Context, rank: int, error: str) -> None:
+def replacement_died(ctx: Context, rank: int, error: str, fatal: bool = False) -> None:
     """The process chosen to replace ``rank`` died before it took over: it counts as another
     failure of the rank (a script that can't start loops here), then try again."""
     incident = _incident_of(ctx.state, rank)
     if incident is None:  # the job failed already: nothing is replaced any more
         ctx.state.fenced += 1
         return
-    if not _guard_tripped(ctx, [rank], error, incident):
+    if not _guard_tripped(ctx, [rank], error, incident, fatal):
         place(ctx, [rank], incident.incident_id)
 
 
@@ -423,12 +434,21 @@ def retire_spare(ctx: Context, spare: SpareView, reason: str) -> None:
     ctx.emit(RetireSpare, spare_id=spare.spare_id, pid=spare.pid, reason=reason, node=spare.node)
 
 
-def spare_lost_unready(ctx: Context, spare_id: int, pid: int, how: str, node: int) -> None:
+def spare_lost_unready(
+    ctx: Context, spare_id: int, pid: int, how: str, node: int, fatal: bool = False
+) -> None:
     """A spare died before it was ever ready. Replaced as long as that has not happened
     max_replacements times in the job: a script that can't start must not respawn for ever."""
     state, config = ctx.state, ctx.state.config
     assert config is not None
     state.spares_lost_unready += 1
-    refill = state.spares_lost_unready < config.max_replacements
+    refill = state.spares_lost_unready < config.max_replacements and not fatal
     reason = f"exited before it was ready ({how})"
+    if fatal:
+        reason += ": the script cannot run, no more spares are started"
+    elif not refill:
+        reason += (
+            f"; {state.spares_lost_unready} spares did so: no more are started "
+            "(--max-replacements), the job goes on without"
+        )
     ctx.emit(RetireSpare, spare_id=spare_id, pid=pid, reason=reason, refill=refill, node=node)

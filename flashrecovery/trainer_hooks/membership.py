@@ -167,8 +167,9 @@ class Membership:
         if assignment.get("store"):
             self._endpoint_since = self.generation
             self.use_store(assignment["store"])
-        # What the script would have had as a rank (one node: the local rank is the rank).
-        os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(self.rank)
+        # What the script would have had as a rank; LOCAL_RANK stays the spare's own place
+        # on its node (its device), which it had from the start.
+        os.environ["RANK"] = str(self.rank)
         self.machine.fire(Trigger.ASSIGN)
 
     # ------------------------------------------------------------------ generations

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from flashrecovery import heap
-from flashrecovery.errors import ConfigError, Superseded
+from flashrecovery.errors import ConfigError, ScriptError, Superseded
 from flashrecovery.records import (
     CheckpointSaved,
     CollectiveError,
@@ -61,6 +61,7 @@ class Session:
         self._state = TrainingState()
         self._step_record = 0  # the number of this rank's last StepCompleted handed over
         self._step_started = 0.0
+        self._batches_ended: int | None = None  # the epoch whose batches() loop ended
         self._checkpoints = None if env.checkpoint_dir is None else self._checkpointer()
         # Test-only faults (trainer_hooks/probe.py): without a plan it does nothing.
         self._probe = Probe(env.fault_plan, member.claim_fault)
@@ -95,7 +96,10 @@ class Session:
     @property
     def rank(self) -> int:
         if self._member.rank is None:
-            raise RuntimeError("a hot spare has no rank until session.steps() yields a step")
+            raise ScriptError(
+                "a hot spare has no rank until session.steps() (or session.epochs()) yields: "
+                "read session.rank inside the training loop"
+            )
         return self._member.rank
 
     @property
@@ -127,6 +131,13 @@ class Session:
         """Hand over what defines the training state (build it identically on every rank:
         seed first). A spare not yet assigned pays its first-time costs here, then reports
         ready. A model wrapped in DDP is given its final bucket order now (ddp.py)."""
+        if _sharded_elsewhere(model, self._member.mesh):
+            raise ScriptError(
+                "the model is sharded (FSDP2: its parameters are DTensors) over a mesh the "
+                "session did not make, so a replacement could not receive its shards: pass "
+                "mesh=session.device_mesh(...) to fully_shard (pure FSDP: `flashrecovery run "
+                "--shards N` and session.device_mesh((N,), ('shard',))); docs/hook.md"
+            )
         self._state.register(model, optimizer, extras)
         ddp.settle_buckets(model)
         spare = self._member.rank is None
@@ -203,6 +214,12 @@ class Session:
         self._join()
         position = self._state.position
         epoch = position.epoch
+        if self._batches_ended == epoch:
+            raise ScriptError(
+                f"session.batches() again in epoch {epoch}, whose batches are all committed: "
+                "loop over `session.epochs(total)` (not range()) around it, so the epoch "
+                "moves on; docs/hook.md"
+            )
         while True:
             start = position.batch
             for index, batch in enumerate(itertools.islice(loader, start, None), start):
@@ -213,6 +230,7 @@ class Session:
                 if (position.epoch, position.batch) != (epoch, index + 1):
                     break  # a fallback moved the data position back
             else:
+                self._batches_ended = epoch
                 return  # the epoch's last batch is committed
             if position.epoch != epoch:
                 return
@@ -221,7 +239,7 @@ class Session:
         """Take part in the job's current generation: a spare waits for its rank, a
         replacement receives its state (at most once)."""
         if not self._state.registered:
-            raise RuntimeError("call session.register(model, optimizer) before training")
+            raise ScriptError("call session.register(model, optimizer) before training")
         if self._machine.state is S.READY:
             self._member.await_assignment()
         self._recovery.form_first()
@@ -242,7 +260,7 @@ class Session:
     def _end_step(self) -> None:
         if self._machine.state is S.STEPPING:
             step = self._state.committed_step + 1
-            raise RuntimeError(f"step {step}: call session.commit() once per step")
+            raise ScriptError(f"step {step}: call session.commit() once per step")
 
     def _checkpointer(self) -> Checkpointer:
         # Imported only by a job that writes checkpoints: DCP costs a rank process most of a
@@ -279,7 +297,11 @@ class Session:
         True. On a peer failure, recover (regroup, restore) and return False: ``steps()`` then
         yields the step to recompute."""
         if self._machine.state is not S.STEPPING:
-            raise RuntimeError("session.commit() outside a step of session.steps()")
+            raise ScriptError(
+                "session.commit() outside a step: commit inside `for step in "
+                "session.steps(total)`, or inside `for batch in session.batches(loader)` "
+                "(a loader's loop, under `for epoch in session.epochs(total)`); docs/hook.md"
+            )
         member, state = self._member, self._state
         model, optimizer = state.model, state.optimizer
         assert model is not None and optimizer is not None
@@ -360,9 +382,10 @@ class Session:
         if exc is None:
             self.finish()
             return
-        if self._member.rank is not None:
+        if self._member.rank is not None and not isinstance(exc, ScriptError):
             # Say so at once: the interpreter may take seconds to exit after the traceback,
-            # and the peers are stuck until the engine replaces this rank.
+            # and the peers are stuck until the engine replaces this rank. (A ScriptError
+            # is the exit's to tell: it fails the job, where a report would replace the rank.)
             traceback.print_exception(exc)
             sys.stderr.flush()
             self._member.append(
@@ -374,6 +397,17 @@ class Session:
         self._heartbeat.stop()
         self._member.close()
         inflight.abandon_left_behind()
+
+
+def _sharded_elsewhere(model: torch.nn.Module, mesh: DeviceMesh | None) -> bool:
+    """Whether some parameter is a DTensor over another mesh than ``mesh`` (the session's),
+    e.g. the default one fully_shard makes without ``mesh=``. Never while DTensor was not
+    imported: no parameter can be one then."""
+    tensor = sys.modules.get("torch.distributed.tensor")
+    return tensor is not None and any(
+        isinstance(p, tensor.DTensor) and (mesh is None or p.device_mesh != mesh)
+        for p in model.parameters()
+    )
 
 
 def init() -> Session:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 from livejob import SCRIPT, run_job
 
@@ -121,3 +122,36 @@ def test_sigterm_tears_down_every_process(tmp_path: Path) -> None:
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_an_agent_sigkilled_leaves_its_fork_server_to_end_quietly(tmp_path: Path) -> None:
+    """The agent's end of the fork server's socket is reset when the agent is SIGKILLed; the
+    server ends without a traceback (its stderr is the agent's, which a user reads)."""
+    command = [
+        sys.executable, "-m", "flashrecovery.cli", "run", "--nproc-per-node", "2",
+        "--spares", "1", "--job-id", "lost", "--output-dir", str(tmp_path / "output"),
+        str(SCRIPT), "--steps", "100000", "--out", str(tmp_path), "--step-time", "0.05",
+    ]  # fmt: skip
+    agent = subprocess.Popen(command, cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    log = open_log(f"sqlite://{tmp_path / 'runs' / 'lost' / 'log.db'}")
+    try:
+        assert agent.stderr is not None
+        agent.stderr.readline()  # the banner: the log exists from here on
+        position, seen = 0, set()
+        while "spare_ready" not in seen or "step_completed" not in seen:
+            assert agent.poll() is None
+            for entry in log.follow(Stream.EVENTS, "lost", position, 1.0):
+                position = entry.position + 1
+                seen.add(entry.record.type if entry.record else "")
+        started = psutil.Process(agent.pid).children(recursive=True)
+        agent.kill()
+        agent.wait(10)
+        said = agent.stderr.read()  # to its end: every process that held the pipe is gone
+    finally:
+        agent.kill()
+        for process in psutil.Process().children(recursive=True):
+            if process in started:
+                process.kill()
+    assert "Traceback" not in said and "ConnectionResetError" not in said, said
+    _, left = psutil.wait_procs(started, timeout=30)
+    assert left == []

@@ -4,6 +4,7 @@ equal to a fault-free run; each job that can't recover ends, says why, and leave
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from livejob import Processes, run_job
+from livejob import EXAMPLES, SCRIPT, STEPS, WORLD, JobResult, Processes, run_job
 from test_live_recovery import assert_lossless, assert_survivors_kept
 
 from flashrecovery.records import Envelope
@@ -153,3 +154,163 @@ def test_a_spare_stopped_just_before_it_is_needed_is_not_handed_the_rank(
     assert taken == 1  # then one runnable process took rank 1
     assert_lossless(job, reference, incidents=1)
     assert_survivors_kept(job, failed={1})
+
+
+def reading_before_init(tmp_path: Path, variable: str) -> Path:
+    """The test script behind a few lines that read ``variable`` before init, as published
+    FSDP2 and CUDA DDP scripts do; each process notes what it saw, and again at its end."""
+    script = tmp_path / "reads_env_first.py"
+    script.write_text(
+        "import json, os, runpy, sys\n"
+        "from pathlib import Path\n"
+        f"seen = os.environ[{variable!r}]\n"
+        "out = Path(sys.argv[sys.argv.index('--out') + 1])\n"
+        "def note(when):\n"
+        "    names = ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR')\n"
+        "    env = {name: os.environ.get(name) for name in names}\n"
+        "    (out / f'{when}-{os.getpid()}.json').write_text(json.dumps(env))\n"
+        "note('start')\n"
+        "end = os._exit  # the test script skips the interpreter's teardown\n"
+        "os._exit = lambda code: (note('end'), end(code))\n"
+        f"sys.argv[0] = {str(SCRIPT)!r}\n"
+        f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')\n"
+    )
+    return script
+
+
+def noted(job: JobResult, when: str) -> dict[int, dict[str, str | None]]:
+    return {
+        int(path.stem.split("-")[1]): json.loads(path.read_text())
+        for path in job.out.glob(f"{when}-*.json")
+    }
+
+
+def test_a_script_reading_local_rank_before_init_recovers_each_process_in_a_place_of_its_own(
+    tmp_path: Path, reference: torch.Tensor
+) -> None:
+    script = reading_before_init(tmp_path, "LOCAL_RANK")
+    job = run_job(
+        tmp_path, spares=1, kill_at={1: 6}, script=script, script_args=["--steps", str(STEPS)]
+    )
+    assert_lossless(job, reference, incidents=1)
+    started, ended = noted(job, "start"), noted(job, "end")
+    joined = {r.rank: r.pid for r in job.records(type="rank_joined")}
+    [spare] = [r for r in job.records(type="spare_ready") if r.spare_id == 0]
+    [taken] = job.records(type="spare_activated")
+    [refill] = [r for r in job.records(type="spare_ready") if r.spare_id == 1]
+    assert [started[joined[rank]]["LOCAL_RANK"] for rank in range(WORLD)] == ["0", "1", "2"]
+    assert started[spare.pid]["LOCAL_RANK"] == str(WORLD)  # beyond the ranks' places
+    assert started[spare.pid]["RANK"] is None and started[spare.pid]["WORLD_SIZE"] == "3"
+    assert taken.pid == spare.pid and taken.rank == 1
+    assert ended[spare.pid]["RANK"] == "1" and ended[spare.pid]["LOCAL_RANK"] == str(WORLD)
+    assert started[refill.pid]["LOCAL_RANK"] == "1"  # the lost rank's place, free again
+
+
+def test_a_script_reading_rank_before_init_is_told_to_read_it_after_and_runs_without_spares(
+    tmp_path: Path, reference: torch.Tensor, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A spare has no rank until it takes one: each dies of the KeyError. The agent says so
+    once with the fix, the engine stops refilling after --max-replacements and says that too,
+    and the job trains on to its end without spares."""
+    gate, held = gated(tmp_path)
+
+    lost: list[Envelope] = []
+
+    def open_gate_once_refill_stops(record: Envelope, known: Processes) -> bool:
+        if record.type == "rank_exited" and record.spare_id is not None:  # type: ignore[attr-defined]
+            lost.append(record)
+        if len(lost) == MAX_REPLACEMENTS:  # the last one the engine replaces
+            gate.touch()
+            return True
+        return False
+
+    script = reading_before_init(tmp_path, "RANK")
+    job = run_job(
+        tmp_path,
+        spares=1,
+        script=script,
+        script_args=["--steps", str(STEPS), *held],
+        scenario=[open_gate_once_refill_stops],
+    )
+    assert_lossless(job, reference, incidents=0)
+    spares_lost = [r for r in job.records(type="rank_exited") if r.spare_id is not None]
+    assert len(spares_lost) == MAX_REPLACEMENTS
+    assert {r.error for r in spares_lost} == {"KeyError: 'RANK'"}
+    [stopped] = [d for d in job.decisions("retire_spare") if not d.refill]
+    assert "KeyError: 'RANK'" in stopped.reason and "no more are started" in stopped.reason
+    err = capsys.readouterr().err
+    assert err.count("read it after") == 1 and "no more are started" in err
+
+
+def test_a_script_that_makes_its_own_default_group_is_told_the_fix_and_ends_at_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An unported script (dist.init_process_group itself) fails on the first try with the
+    fix in the job's last line: no crash loop of replacements to sit through."""
+    unported = tmp_path / "unported.py"
+    unported.write_text(
+        "import torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "print('trained', dist.get_rank())\n"
+    )
+    job = run_job(tmp_path, nproc=2, spares=1, script=unported)
+    assert job.exit_code != 0
+    [verdict] = job.decisions("fail_job")
+    assert verdict.failures == 1 and "cannot run the script" in verdict.reason
+    assert "call flashrecovery.init_process_group() instead" in verdict.last_error
+    assert job.decisions("assign_spare") == job.decisions("spawn_replacement") == []
+    fatal = [r for r in job.records(type="rank_exited") if r.fatal]
+    assert fatal and all("ScriptError" in (r.error or "") for r in fatal)
+    assert "call flashrecovery.init_process_group() instead" in capsys.readouterr().err
+    assert replay_job(job.log, job.job_id).ok
+
+
+@pytest.mark.parametrize(
+    ("hook_line", "as_written", "message"),
+    [
+        (
+            "session.epochs(args.epochs)",
+            "range(args.epochs)",
+            "session.batches() again in epoch 0",
+        ),
+        ("session.batches(loader)", "loader", "session.commit() outside a step"),
+    ],
+    ids=["range-around-batches", "plain-loader-in-epochs"],
+)
+def test_a_loop_the_hook_cannot_follow_ends_the_job_at_its_first_step_with_the_fix(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    hook_line: str,
+    as_written: str,
+    message: str,
+) -> None:
+    """examples/train_ddp.py with one of its hook lines put back as the script had it: the
+    job must neither train silently on (one epoch of three) nor take it for a peer failure."""
+    source = (EXAMPLES / "train_ddp.py").read_text()
+    assert hook_line in source
+    script = tmp_path / "half_ported.py"
+    script.write_text(source.replace(hook_line, as_written))
+    job = run_job(tmp_path, nproc=2, script=script)
+    assert job.exit_code != 0
+    [verdict] = job.decisions("fail_job")
+    assert verdict.failures == 1 and message in verdict.last_error
+    assert "docs/hook.md" in verdict.last_error
+    assert job.decisions("fallback_to_checkpoint") == []
+    assert message in capsys.readouterr().err
+
+
+def test_fsdp_on_its_default_mesh_is_refused_at_register_not_at_its_first_recovery(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """fully_shard without ``mesh=`` shards over a mesh of torch's making: it trains, but no
+    replacement could be handed its shards. Found where the model is registered."""
+    source = (EXAMPLES / "train_hsdp.py").read_text()
+    assert source.count(", mesh=mesh)") == 2
+    script = tmp_path / "default_mesh.py"
+    script.write_text(source.replace(", mesh=mesh)", ")"))
+    job = run_job(tmp_path, nproc=2, shards=2, script=script, script_args=["--replicas", "1"])
+    assert job.exit_code != 0
+    [verdict] = job.decisions("fail_job")
+    assert verdict.failures == 1 and "mesh=session.device_mesh(...)" in verdict.last_error
+    assert job.records(type="step_completed") == []
+    assert "over a mesh the session did not make" in capsys.readouterr().err
