@@ -203,13 +203,16 @@ def test_an_impossible_kind_is_refused_before_anything_starts(tmp_path: Path) ->
     assert "fault kind 'engine_kill' is not possible in this job" in done.stderr
 
 
+LONG_RUN_DIR = "run-with-a-name-long-enough-that-its-line-is-wider-than-a-terminal"
+
+
 @pytest.mark.timeout(280)
 def test_chaos_six_faults_all_recovered_bitwise_equal(tmp_path: Path) -> None:
     command = [
         sys.executable, "-m", "flashrecovery.cli", "chaos",
         "--faults", "6", "--seed", "3", "--gap", "6", "--min-step-s", "0.05",
         "--kinds", ",".join(KINDS),
-        "--run-dir", str(tmp_path / "run"), "--json", "--timeout", "200",
+        "--run-dir", str(tmp_path / LONG_RUN_DIR), "--json", "--timeout", "200",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO)}  # the ranks import this checkout
     done = subprocess.run(
@@ -226,6 +229,8 @@ def test_chaos_six_faults_all_recovered_bitwise_equal(tmp_path: Path) -> None:
     two = [r for r in rows if r["kind"] in TWO_FAILURES]
     assert all(len(r["incidents"]) == 2 for r in two), context
     assert verdict["processes_left"] == []
+    run_dir = f"run dir {tmp_path / LONG_RUN_DIR}"  # over 80 columns: piped, never folded
+    assert len(run_dir) > 80 and run_dir in done.stderr.splitlines(), done.stderr[-3000:]
 
 
 @pytest.mark.parametrize(

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 from factories import JOB, T0, TYPES_BY_NAME, make
@@ -35,6 +38,7 @@ from flashrecovery.demo.summary import (
 from flashrecovery.demo.train import build
 from flashrecovery.demo.watch import Kill, KillOutcome
 from flashrecovery.engine.loop import EngineLoop
+from flashrecovery.errors import LogError
 from flashrecovery.records import RankJoined, RankRegrouped, RegroupPlanned, Stream
 from flashrecovery.testing.simworld import SimulatedWorld, drive
 from flashrecovery.trainer_hooks.final_state import parameters_sha256
@@ -251,3 +255,44 @@ def test_a_survivor_in_a_new_process_is_an_unplanned_restart() -> None:
         joined, holder, unplanned = process_history(log, "j")
     assert joined == {0: 10, 1: 11} and holder == {0: 12, 1: 13}
     assert unplanned == ["rank 0: pid 10 -> 12 in generation 1"]
+
+
+def test_ctrl_c_ends_the_demo_in_one_line_and_leaves_no_process(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "flashrecovery.cli", "demo", "--nproc", "2", "--spares", "0",
+        "--steps", "2000", "--min-step-s", "0.1", "--run-dir", str(run_dir),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    demo = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not _committed(run_dir / "log.db"):  # training, with every process started
+            assert demo.poll() is None and time.monotonic() < deadline, demo.stderr
+            time.sleep(0.2)
+        started = psutil.Process(demo.pid).children(recursive=True)
+        demo.send_signal(signal.SIGINT)
+        _, err = demo.communicate(timeout=60)
+    finally:
+        demo.kill()
+    assert demo.returncode == 130, err[-3000:]
+    assert "flashrecovery demo: interrupted" in err and "Traceback" not in err, err[-3000:]
+    _, left = psutil.wait_procs(started, timeout=30)
+    assert left == []
+
+
+def _committed(db: Path) -> bool:
+    """Whether some rank has committed a step in the demo's log (read-only, bounded)."""
+    if not db.exists():
+        return False
+    try:
+        with open_log(f"sqlite://{db}", read_only=True) as log:
+            return any(
+                e.record is not None and e.record.type == "step_completed"
+                for job in log.jobs()
+                for e in log.read(Stream.EVENTS, job)
+            )
+    except LogError:
+        return False  # not a log yet: its tables are being made

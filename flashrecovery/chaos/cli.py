@@ -27,6 +27,7 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
+from flashrecovery import terminal
 from flashrecovery.agent import netns
 from flashrecovery.agent.launcher import one_of
 from flashrecovery.agent.testbed import Testbed
@@ -403,7 +404,7 @@ def run(args: argparse.Namespace) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run_dir = (args.run_dir or Path("runs") / f"chaos-{stamp}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    console = Console(stderr=args.json)
+    console = terminal.console(stderr=args.json)
     broker = KafkaBroker() if args.kafka else None
     testbed: Testbed | None = None
     try:

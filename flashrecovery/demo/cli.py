@@ -28,6 +28,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from flashrecovery import terminal
 from flashrecovery.connectors import open_log
 from flashrecovery.demo.job import (
     FSDP_CHECKPOINT_EVERY,
@@ -283,7 +284,8 @@ def _run(
         if args.verify
         else None
     )
-    console = Console(stderr=args.json)  # with --json: progress on stderr, the JSON on stdout
+    # With --json: progress on stderr, the JSON on stdout; unfolded when not a terminal.
+    console = terminal.console(stderr=args.json)
     plan = ", ".join(f"{k.target} at step {k.step}" for k in kills)
     shape = f"{spec.nproc} ranks + {spec.spares} hot spare(s)"
     if spec.nodes > 1:
