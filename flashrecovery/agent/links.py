@@ -139,8 +139,10 @@ class ProcessLinks:
         record is either still in the socket or counted as received (``drain`` relies on it)."""
         partial = b""
         while True:
-            try:
-                select.select([link.conn], [], [])
+            try:  # poll, not select: the agent's process may hold fds past 1024
+                poller = select.poll()
+                poller.register(link.conn, select.POLLIN)
+                poller.poll()
             except (OSError, ValueError):  # closed
                 data = b""
             with self._changed:

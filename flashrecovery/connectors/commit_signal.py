@@ -123,8 +123,11 @@ class Waiter:
     def wait(self, timeout: float) -> None:
         """Until the stream's file is rung (or was already, since ``clear``) or ``timeout``."""
         with self._lock:
-            if not self._closing:
-                select.select([self._fd, self._cancel], [], [], max(timeout, 0.0))
+            if not self._closing:  # poll, not select: a process may hold fds past 1024
+                poller = select.poll()
+                for fd in (self._fd, self._cancel):
+                    poller.register(fd, select.POLLIN)
+                poller.poll(max(timeout, 0.0) * 1000)
             self._drain()
 
     def _drain(self) -> None:

@@ -201,6 +201,7 @@ class Session:
         position = self._state.position
         while position.epoch < total:
             epoch = position.epoch
+            self._batches_ended = None  # batches() may run this epoch (again, after a fallback)
             yield epoch
             if position.epoch == epoch:  # else a fallback took the job back to another
                 position.next_epoch()

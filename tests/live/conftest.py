@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
-from livejob import run_job
+from livejob import OPENED, run_job
+
+
+@pytest.fixture(autouse=True)
+def close_opened_logs() -> Iterator[None]:
+    """Close what run_job opened once each test is over (a session fixture's stays open: its
+    log is read no more, and sqlite's holds no socket)."""
+    before = len(OPENED)
+    yield
+    while len(OPENED) > before:
+        OPENED.pop().close()
 
 
 @pytest.fixture(scope="session")

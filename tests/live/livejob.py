@@ -34,6 +34,7 @@ STEPS = 30
 STEP_TIME_S = 0.02  # simulated compute, so that a kill lands at a known step
 HEARTBEAT_S = 1.0  # missed after 3 s: imports hold the GIL for long stretches on 2 busy cores
 JOB_TIMEOUT_S = 90.0
+OPENED: list[LogConnector] = []  # the logs run_job opened for its callers to read
 
 
 @dataclass
@@ -172,6 +173,8 @@ def run_job(
     thread = threading.Thread(target=lambda: result.setdefault("code", agent.run()), daemon=True)
     thread.start()
     log = open_log(agent.log_url)
+    OPENED.append(log)  # closed after the test (conftest.py): a Kafka client left open
+    # reconnects to a cluster a later module stopped, until the process runs out of fds
     pending, known, killed = dict(kill_at or {}), Processes(), {}
     steps = list(scenario or [])
     events = StreamCursor(log, Stream.EVENTS, agent.job_id)  # rides out a broker restart
