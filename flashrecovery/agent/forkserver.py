@@ -79,12 +79,9 @@ def _send(sock: socket.socket, message: Mapping[str, Any]) -> None:
 
 
 def _lines(sock: socket.socket, pending: bytearray) -> list[dict[str, Any]] | None:
-    """The whole lines that have arrived (None once the other side closed, or died: a
-    SIGKILLed agent's end of the socket is reset, which ends the server as quietly)."""
-    try:
-        data = sock.recv(1 << 16)
-    except ConnectionResetError:
-        return None
+    """The whole lines that have arrived (None once the other side closed; a reset, when
+    the agent was SIGKILLed, raises, and ``serve`` ends as quietly)."""
+    data = sock.recv(1 << 16)
     if not data:
         return None
     pending.extend(data)

@@ -101,8 +101,13 @@ class NetworkFaults:
         nodes = [node for node in watch.state.nodes.values() if not node.lost]
         heard = all(node.last_heartbeat_ts > sent.healed_ts for node in nodes)
         progressed = watch.committed() >= sent.healed_step + SETTLE_STEPS
-        named = fault.kind in SLOWED and fault.node in watch.state.stragglers
-        named = named and fault.node is not None and not watch.state.node_lost(fault.node)
+        node = fault.node
+        named = (
+            fault.kind in SLOWED
+            and node is not None
+            and node in watch.state.stragglers
+            and not watch.state.node_lost(node)
+        )
         sent.settled = watch.running and progressed and heard and not named
 
     @staticmethod
