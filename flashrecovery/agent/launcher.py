@@ -9,6 +9,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from flashrecovery.agent import slurm
 from flashrecovery.agent import torchrun_options as torchrun
 from flashrecovery.agent.config import AgentConfig, Endpoint, SpareRefill, StartMethod
 from flashrecovery.errors import ConfigError
@@ -39,11 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--nnodes",
         type=torchrun.nnodes,
-        default=(1, 1),
+        default=None,
         metavar="N|MIN:MAX",
         help="training nodes, one agent each; torchrun's MIN:MAX trains on MIN and keeps up "
         "to MAX-MIN whole nodes of hot spares (the world never shrinks: spares take the place "
-        "of a lost node)",
+        "of a lost node); default 1, or under srun the tasks less --spare-nodes",
     )
     add(
         "--node-rank",
@@ -52,7 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="K|auto",
         help="this agent's node (0 hosts the store and the engine); auto: the lowest free one, "
         "given at rendezvous (a node joining a running job adds its spares); omitted: 0 if "
-        "this host can listen on --rdzv-endpoint and nobody does yet, else auto",
+        "this host can listen on --rdzv-endpoint and nobody does yet, else auto; under srun "
+        "its task's SLURM_PROCID",
     )
     add(
         "--rdzv-endpoint",
@@ -60,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="HOST:PORT",
         help="where node 0's agent hosts the job's store (multi-node jobs; every agent needs "
-        "FLASHRECOVERY_STORE_PREFIX, the job's secret, in its environment: docs/multinode.md)",
+        "FLASHRECOVERY_STORE_PREFIX, the job's secret, in its environment: docs/multinode.md); "
+        "under srun: the step's first node, port 15000 + the job id's last 4 digits",
     )
     add(
         "--control-plane",
@@ -90,7 +93,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="URL",
         help="event log URL (default: sqlite://<cwd>/runs/<job-id>/log.db)",
     )
-    add_job_option(parser, dest="job_id", help="default: generated", also=torchrun.JOB_ID)
+    add_job_option(
+        parser,
+        dest="job_id",
+        help="default: generated (under srun: slurm-JOB.STEP)",
+        also=torchrun.JOB_ID,
+    )
     add(
         "--heartbeat-interval",
         type=float,
@@ -240,6 +248,9 @@ def run(args: argparse.Namespace) -> int:
     from flashrecovery.agent.job import Agent  # imports torch: only once the arguments are read
 
     try:
+        step = slurm.from_environ(os.environ)
+        if step is not None:
+            slurm.apply(args, step, node_rank_omitted=NODE_RANK_OMITTED)
         for note in torchrun.resolve(args):
             print(f"flashrecovery run: {note}", file=sys.stderr)
         agent = Agent(

@@ -77,7 +77,7 @@ def nnodes(text: str) -> tuple[int, int]:
 def resolve(args: argparse.Namespace) -> list[str]:
     """Fold torchrun's options into flashrecovery's (in place); ConfigError says why not. What
     is returned is said to the user: what of torchrun's is not used here."""
-    low, high = args.nnodes
+    low, high = args.nnodes = args.nnodes or (1, 1)
     if high > low:
         if args.spare_nodes not in (0, high - low):
             raise ConfigError(
