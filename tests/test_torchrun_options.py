@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from flashrecovery.agent import torchrun_options as torchrun
+from flashrecovery.agent.config import AgentConfig, RunAs
 from flashrecovery.cli import build_parser
 from flashrecovery.errors import ConfigError
 
@@ -85,3 +86,28 @@ def test_bad_counts_are_refused_by_the_parser(
     with pytest.raises(SystemExit):
         build_parser([*full, SCRIPT]).parse_args([*full, SCRIPT])
     assert message in capsys.readouterr().err
+
+
+def test_a_module_or_a_program_instead_of_a_script(tmp_path: Path) -> None:
+    args, _ = parsed("--nproc-per-node", "1", "-m")  # parsed() puts the script after the flags
+    assert args.run_as is RunAs.MODULE
+    args, _ = parsed("--nproc-per-node", "1", "--no_python")
+    assert args.run_as is RunAs.PROGRAM
+    module = AgentConfig(script=Path("flashrecovery.demo.train"), run_as=RunAs.MODULE, job_id="j",
+                         log_url=f"sqlite:///{tmp_path / 'log.db'}")  # fmt: skip
+    assert module.resolved().command[1:3] == ["-m", "flashrecovery.demo.train"]
+    with pytest.raises(ConfigError, match="no module 'nosuchpackage'"):
+        AgentConfig(script=Path("nosuchpackage.train"), run_as=RunAs.MODULE).resolved()
+
+
+def test_a_program_must_be_executable_and_started_by_exec(tmp_path: Path) -> None:
+    program = tmp_path / "train.sh"
+    program.write_text("#!/bin/sh\n")
+    with pytest.raises(ConfigError, match="not executable"):
+        AgentConfig(script=program, run_as=RunAs.PROGRAM, start_method="exec").resolved()
+    program.chmod(0o755)
+    with pytest.raises(ConfigError, match="add --start-method exec"):
+        AgentConfig(script=program, run_as=RunAs.PROGRAM).resolved()
+    config = AgentConfig(script=program, run_as=RunAs.PROGRAM, start_method="exec", job_id="j",
+                         log_url=f"sqlite:///{tmp_path / 'log.db'}")  # fmt: skip
+    assert config.resolved().command == [str(program)]

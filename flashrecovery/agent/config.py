@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 import socket
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from importlib.machinery import PathFinder
 from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlsplit
@@ -33,6 +36,14 @@ class SpareRefill(StrEnum):
 
     IMMEDIATE = "immediate"
     AFTER_RECOVERY = "after-recovery"
+
+
+class RunAs(StrEnum):
+    """What the script argument names, as torchrun reads it."""
+
+    SCRIPT = "script"  # python script.py args (the default)
+    MODULE = "module"  # python -m pkg.mod args (torchrun's -m)
+    PROGRAM = "program"  # an executable of its own (torchrun's --no-python)
 
 
 class StartMethod(StrEnum):
@@ -88,8 +99,9 @@ class Endpoint:
 
 @dataclass(frozen=True)
 class AgentConfig:
-    script: Path
+    script: Path  # a module's dotted name with run_as MODULE
     script_args: list[str] = field(default_factory=list)
+    run_as: RunAs = RunAs.SCRIPT
     nproc: int = 1
     spares: int = 0
     log_url: str | None = None  # default: sqlite://<cwd>/runs/<job-id>/log.db
@@ -122,6 +134,16 @@ class AgentConfig:
     control_plane: bool = False  # rendezvous store, preferred engine: `flashrecovery control-plane`
 
     @property
+    def command(self) -> list[str]:
+        """The command line every rank and spare runs."""
+        head = {
+            RunAs.SCRIPT: [sys.executable, str(self.script)],
+            RunAs.MODULE: [sys.executable, "-m", str(self.script)],
+            RunAs.PROGRAM: [str(self.script)],
+        }[self.run_as]
+        return [*head, *self.script_args]
+
+    @property
     def multinode(self) -> bool:
         return self.rdzv_endpoint is not None
 
@@ -143,11 +165,11 @@ class AgentConfig:
             spare_refill=_choice(SpareRefill, self.spare_refill, "--spare-refill"),
             start_method=_choice(StartMethod, self.start_method, "--start-method"),
             group_rebuild=_choice(GroupRebuild, self.group_rebuild, "--group-rebuild"),
+            run_as=RunAs(self.run_as),
         )._checked()
 
     def _checked(self) -> AgentConfig:
-        if not self.script.is_file():
-            raise ConfigError(f"script {str(self.script)!r} does not exist")
+        self._check_script()
         if self.nproc < 1:
             raise ConfigError(f"--nproc-per-node must be at least 1, got {self.nproc}")
         if self.spares < 0:
@@ -183,7 +205,7 @@ class AgentConfig:
             if self.log_url is None:
                 raise ConfigError("a node other than 0 needs --log: the log node 0 writes to")
             check_shared_log(self.log_url, self.rdzv_endpoint)
-            return replace(self, script=self.script.resolve())
+            return replace(self, script=self._script_path())
         job_id = self.job_id or f"job-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         if not _JOB_ID.match(job_id):
             raise ConfigError(f"job id {job_id!r} may hold only letters, digits, '_', '.', '-'")
@@ -194,7 +216,30 @@ class AgentConfig:
             (Path.cwd() / "runs" / job_id).mkdir(parents=True, exist_ok=True)
         check_shared_log(log_url, self.rdzv_endpoint)
         _check_log(log_url, job_id)
-        return replace(self, script=self.script.resolve(), job_id=job_id, log_url=log_url)
+        return replace(self, script=self._script_path(), job_id=job_id, log_url=log_url)
+
+    def _script_path(self) -> Path:
+        """The script's absolute path (a module's name stays a name)."""
+        return self.script if self.run_as is RunAs.MODULE else self.script.resolve()
+
+    def _check_script(self) -> None:
+        name = str(self.script)
+        if self.run_as is RunAs.MODULE:
+            top = name.partition(".")[0]
+            where = [os.getcwd(), *sys.path]
+            if not top.isidentifier() or PathFinder.find_spec(top, where) is None:
+                raise ConfigError(f"-m {name}: no module {top!r} here or on sys.path")
+            return
+        if not self.script.is_file():
+            raise ConfigError(f"script {name!r} does not exist")
+        if self.run_as is RunAs.PROGRAM:
+            if not os.access(self.script, os.X_OK):
+                raise ConfigError(f"--no-python {name}: not executable (chmod +x it)")
+            if self.start_method is StartMethod.FORKSERVER:
+                raise ConfigError(
+                    "--no-python runs a program of its own: the fork server forks Python "
+                    "scripts only; add --start-method exec"
+                )
 
     def _check_nodes(self) -> None:
         if self.nnodes < 1:

@@ -63,7 +63,8 @@ _MAIN = "import sys; from flashrecovery.agent.forkserver import main; sys.exit(m
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-    """One process to start: ``argv`` is ``[python, script, *args]``."""
+    """One process to start: ``argv`` is ``[python, script, *args]`` or
+    ``[python, -m, module, *args]``."""
 
     argv: list[str]
     env: dict[str, str]
@@ -152,11 +153,16 @@ def run_child(task: Task) -> int:
     torch.seed()
     if "numpy.random" in sys.modules:  # imported by torch: its global state, too
         sys.modules["numpy.random"].seed()
-    script = task.argv[1]
-    sys.argv = task.argv[1:]
     # `ps`, `pgrep -f train.py` and /proc/<pid>/cmdline show the command it stands for (the
     # title takes the place of the server's environment block in /proc/<pid>/environ too).
     setproctitle.setproctitle(shlex.join(task.argv))
+    if task.argv[1] == "-m":  # python -m pkg.mod: the working directory first on the path
+        sys.argv = task.argv[2:]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(task.argv[2], run_name="__main__", alter_sys=True)
+        return 0
+    script = task.argv[1]
+    sys.argv = task.argv[1:]
     sys.path[0] = str(Path(script).resolve().parent)
     runpy.run_path(script, run_name="__main__")
     return 0

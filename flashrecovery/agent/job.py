@@ -181,7 +181,7 @@ class Agent:
             forks.close()
             forks = None
         supervisor = Supervisor(
-            [sys.executable, str(config.script), *config.script_args],
+            config.command,
             self._child_env(member, meeting, relay),
             self._on_exit,
             config.output_dir,

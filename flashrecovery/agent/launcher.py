@@ -11,7 +11,7 @@ from typing import Any
 
 from flashrecovery.agent import slurm
 from flashrecovery.agent import torchrun_options as torchrun
-from flashrecovery.agent.config import AgentConfig, Endpoint, SpareRefill, StartMethod
+from flashrecovery.agent.config import AgentConfig, Endpoint, RunAs, SpareRefill, StartMethod
 from flashrecovery.errors import ConfigError
 from flashrecovery.observe.exporter import add_metrics_port
 from flashrecovery.options import add_job_option
@@ -208,7 +208,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "DIR/rank<r>.json (for a bitwise comparison of runs: `flashrecovery chaos`)",
     )
     torchrun.add_arguments(add)
-    parser.add_argument("script", type=Path, help="the training script")
+    runs = parser.add_mutually_exclusive_group()
+    runs.add_argument(
+        "-m",
+        "--module",
+        dest="run_as",
+        action="store_const",
+        const=RunAs.MODULE,
+        default=RunAs.SCRIPT,
+        help="torchrun's: the script is a module, run as `python -m MODULE`",
+    )
+    runs.add_argument(
+        "--no-python",
+        "--no_python",
+        dest="run_as",
+        action="store_const",
+        const=RunAs.PROGRAM,
+        help="torchrun's: the script is a program of its own, run without python (needs "
+        "--start-method exec)",
+    )
+    parser.add_argument("script", type=Path, help="the training script (or module, or program)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
 
 
@@ -257,6 +276,7 @@ def run(args: argparse.Namespace) -> int:
             AgentConfig(
                 script=args.script,
                 script_args=args.script_args,
+                run_as=args.run_as,
                 nproc=args.nproc_per_node,
                 spares=args.spares,
                 log_url=args.log,

@@ -22,6 +22,7 @@ import psutil
 import torch
 
 from flashrecovery.agent import Agent, AgentConfig
+from flashrecovery.agent.config import RunAs
 from flashrecovery.connectors import LogConnector, open_log
 from flashrecovery.connectors.follow import StreamCursor
 from flashrecovery.records import Envelope, Stream
@@ -137,6 +138,7 @@ def run_job(
     checkpoint_every: int = 0,  # > 0: checkpoints in tmp_path/checkpoints
     start_method: str = "forkserver",
     group_rebuild: str = "fresh",
+    run_as: RunAs = RunAs.SCRIPT,
 ) -> JobResult:
     """Run the training script on ``nproc`` ranks; ``kill_at`` maps rank -> the step after whose
     commit (as the log shows it) the rank's process is SIGKILLed from outside; ``scenario``
@@ -167,6 +169,7 @@ def run_job(
             checkpoint_every=checkpoint_every,
             start_method=start_method,
             group_rebuild=group_rebuild,
+            run_as=run_as,
         )
     )
     result: dict[str, int] = {}
