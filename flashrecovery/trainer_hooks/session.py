@@ -10,12 +10,11 @@ training_state.py. What to do on a failure is decided by the engine; the session
 from __future__ import annotations
 
 import importlib
-import itertools
 import sys
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -37,6 +36,7 @@ from flashrecovery.trainer_hooks import ddp, final_state, inflight, stable_group
 from flashrecovery.trainer_hooks.env import LaunchEnv, Role
 from flashrecovery.trainer_hooks.gradients import ReducedGradients
 from flashrecovery.trainer_hooks.heartbeat import HeartbeatThread
+from flashrecovery.trainer_hooks.loader import BatchSource, adopt, adopted
 from flashrecovery.trainer_hooks.membership import RECOVERY_TIMEOUT_S, Membership
 from flashrecovery.trainer_hooks.probe import Point, Probe
 from flashrecovery.trainer_hooks.recovery import Recovery
@@ -127,10 +127,14 @@ class Session:
         optimizer: torch.optim.Optimizer,
         extras: Mapping[str, Stateful] | None = None,
         warmup: Callable[[], object] | None = None,
+        loader: Iterable[Any] | None = None,
     ) -> None:
         """Hand over what defines the training state (build it identically on every rank:
         seed first). A spare not yet assigned pays its first-time costs here, then reports
-        ready. A model wrapped in DDP is given its final bucket order now (ddp.py)."""
+        ready. A model wrapped in DDP is given its final bucket order now (ddp.py).
+        ``loader``: the training loader, whose own ``for batch in loader`` then yields the
+        session's steps (as ``batches(loader)`` would) inside ``epochs()``; a
+        ``StatefulDataLoader`` resumes from its own state (loader.py)."""
         if _sharded_elsewhere(model, self._member.mesh):
             raise ScriptError(
                 "the model is sharded (FSDP2: its parameters are DTensors) over a mesh the "
@@ -138,6 +142,13 @@ class Session:
                 "mesh=session.device_mesh(...) to fully_shard (pure FSDP: `flashrecovery run "
                 "--shards N` and session.device_mesh((N,), ('shard',))); docs/hook.md"
             )
+        if loader is not None:
+            if any(obj is loader for obj in (extras or {}).values()):
+                raise ScriptError(
+                    "the loader is both in extras and loader=: give it as loader= only (its "
+                    "state travels with the data position, taken between batches)"
+                )
+            adopt(loader, self._epoch_batches)
         self._state.register(model, optimizer, extras)
         ddp.settle_buckets(model)
         spare = self._member.rank is None
@@ -196,7 +207,8 @@ class Session:
 
     def epochs(self, total: int) -> Iterator[int]:
         """Yield the epochs to run, ``0..total-1``, from the one the job is in: a replacement
-        receives its state here and resumes its donor's epoch. Use with ``batches()``."""
+        receives its state here and resumes its donor's epoch. Use with ``batches()`` or a
+        registered loader."""
         self._join()
         position = self._state.position
         while position.epoch < total:
@@ -209,27 +221,36 @@ class Session:
     def batches(self, loader: Iterable[T]) -> Iterator[T]:
         """Yield the loader's batches of this epoch as steps, from the data position on: each
         batch until its step is committed, so a step aborted by a failure is recomputed with
-        the same batch. A replacement skips the batches its donor had committed; after a
-        checkpoint fallback the loader is iterated again from the checkpoint's batch (or, from
-        an earlier epoch, this ends and ``epochs()`` yields that epoch again)."""
+        the same batch. A replacement continues after the batches its donor had committed;
+        after a checkpoint fallback the loader is iterated again from the checkpoint's batch
+        (or, from an earlier epoch, this ends and ``epochs()`` yields that epoch again)."""
+        if adopted(loader):
+            raise ScriptError(
+                "this loader was given to session.register(loader=...): loop over it as it "
+                "is (`for batch in loader`), not over session.batches(loader); docs/hook.md"
+            )
+        return self._epoch_batches(BatchSource(loader))
+
+    def _epoch_batches(self, source: BatchSource) -> Iterator[Any]:
         self._join()
         position = self._state.position
         epoch = position.epoch
         if self._batches_ended == epoch:
             raise ScriptError(
-                f"session.batches() again in epoch {epoch}, whose batches are all committed: "
-                "loop over `session.epochs(total)` (not range()) around it, so the epoch "
+                f"the batches of epoch {epoch} again, which are all committed: "
+                "loop over `session.epochs(total)` (not range()) around them, so the epoch "
                 "moves on; docs/hook.md"
             )
         while True:
             start = position.batch
-            for index, batch in enumerate(itertools.islice(loader, start, None), start):
+            for index, batch in enumerate(source.start(position), start):
                 while (position.epoch, position.batch) == (epoch, index):
                     self._begin_step()
                     yield batch
                     self._end_step()
                 if (position.epoch, position.batch) != (epoch, index + 1):
                     break  # a fallback moved the data position back
+                source.committed(position)
             else:
                 self._batches_ended = epoch
                 return  # the epoch's last batch is committed
@@ -301,7 +322,8 @@ class Session:
             raise ScriptError(
                 "session.commit() outside a step: commit inside `for step in "
                 "session.steps(total)`, or inside `for batch in session.batches(loader)` "
-                "(a loader's loop, under `for epoch in session.epochs(total)`); docs/hook.md"
+                "(or the loop of a loader given to session.register(loader=...)), under "
+                "`for epoch in session.epochs(total)`; docs/hook.md"
             )
         member, state = self._member, self._state
         model, optimizer = state.model, state.optimizer

@@ -122,3 +122,35 @@ def test_ddp_example_resumes_its_data_position(
     assert_survivors_kept(job, failed={1})
     steps = sorted({r.step for r in job.records(type="step_completed")})
     assert steps == list(range(STEPS))
+
+
+# examples/train_ddp_stateful.py: the same job with torchdata's StatefulDataLoader, its own
+# `for x, y in loader` loop kept (the loader given to session.register).
+STATEFUL = EXAMPLES / "train_ddp_stateful.py"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stateful_loader_in_its_own_loop_resumes_from_its_state(
+    tmp_path: Path, loader_reference: torch.Tensor, workers: int
+) -> None:
+    """Killed mid-epoch, the replacement loads its donor's loader state and reads on from
+    the next batch: no sample read twice (with workers, the workers read), and every rank
+    ends bitwise equal to the plain DataLoader's fault-free run (the global random state the
+    loader's iter() draws from restored with the rest)."""
+    job = run_job(
+        tmp_path,
+        spares=1,
+        kill_at={1: 12},
+        script=STATEFUL,
+        script_args=["--workers", str(workers)],
+    )
+    assert_lossless(job, loader_reference, incidents=1)
+    assert_survivors_kept(job, failed={1})
+    steps = sorted({r.step for r in job.records(type="step_completed")})
+    assert steps == list(range(STEPS))
+    replacement = job.final(1)
+    trained = {  # the steps the replacement computed (the generations after the kill)
+        r.step for r in job.records(type="step_completed") if r.rank == 1 and r.generation > 0
+    }
+    assert min(trained) in (13, 14) and max(trained) == STEPS - 1
+    assert replacement["read"] == (len(trained) * 8 if workers == 0 else 0)

@@ -266,27 +266,35 @@ def test_a_script_that_makes_its_own_default_group_is_told_the_fix_and_ends_at_o
 
 
 @pytest.mark.parametrize(
-    ("hook_line", "as_written", "message"),
+    ("example", "hook_line", "as_written", "message"),
     [
         (
+            "train_ddp.py",
             "session.epochs(args.epochs)",
             "range(args.epochs)",
-            "session.batches() again in epoch 0",
+            "the batches of epoch 0 again",
         ),
-        ("session.batches(loader)", "loader", "session.commit() outside a step"),
+        ("train_ddp.py", "session.batches(loader)", "loader", "session.commit() outside a step"),
+        (
+            "train_ddp_stateful.py",
+            "for x, y in loader:",
+            "for x, y in session.batches(loader):",
+            "loop over it as it is",
+        ),
     ],
-    ids=["range-around-batches", "plain-loader-in-epochs"],
+    ids=["range-around-batches", "plain-loader-in-epochs", "registered-loader-in-batches"],
 )
 def test_a_loop_the_hook_cannot_follow_ends_the_job_at_its_first_step_with_the_fix(
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
+    example: str,
     hook_line: str,
     as_written: str,
     message: str,
 ) -> None:
-    """examples/train_ddp.py with one of its hook lines put back as the script had it: the
+    """An example with one of its hook lines put back as the script had it (or doubled): the
     job must neither train silently on (one epoch of three) nor take it for a peer failure."""
-    source = (EXAMPLES / "train_ddp.py").read_text()
+    source = (EXAMPLES / example).read_text()
     assert hook_line in source
     script = tmp_path / "half_ported.py"
     script.write_text(source.replace(hook_line, as_written))
