@@ -24,6 +24,7 @@ LAYERS: list[set[str]] = [
     {"engine"},
     {"testing"},
     {"replay", "observe", "trainer_hooks"},
+    {"integrations"},  # other trainers over the hook (they import those trainers)
     {"agent"},
     {"demo"},
     {"chaos"},

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from flashrecovery.trainer_hooks.checkpoint import Checkpointer
 
 T = TypeVar("T")
+R = TypeVar("R")
 S = SessionState
 
 __all__ = ["Session", "Stateful", "init", "init_process_group"]
@@ -256,6 +257,22 @@ class Session:
                 return  # the epoch's last batch is committed
             if position.epoch != epoch:
                 return
+
+    def join(self) -> None:
+        """Take part in the job's current generation, for a loop that is not the session's
+        (an integration's: ``steps()``, ``epochs()`` and ``batches()`` do this themselves): a
+        spare waits for its rank here, a replacement receives its state."""
+        self._join()
+
+    def run_step(self, compute: Callable[[], R], loss: Callable[[R], float | None]) -> R:
+        """One step of a loop that is not the session's: ``compute()`` it (forward and
+        backward) and commit; on an abort (recovered by then), compute it again, with the same
+        inputs and randomness, until it is committed. The caller steps its optimizer after."""
+        while True:
+            self._begin_step()
+            result = compute()
+            if self.commit(loss=loss(result)):
+                return result
 
     def _join(self) -> None:
         """Take part in the job's current generation: a spare waits for its rank, a
