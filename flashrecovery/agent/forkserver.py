@@ -31,7 +31,6 @@ import importlib
 import json
 import os
 import random
-import runpy
 import selectors
 import shlex
 import signal
@@ -40,12 +39,11 @@ import subprocess
 import sys
 import threading
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import setproctitle
 
-from flashrecovery.trainer_hooks import exit_note, own_init_guard
+from flashrecovery.agent import script_main
 
 # What a rank imports before its script does anything (the hook's session imports torch).
 PRELOAD = (
@@ -144,8 +142,6 @@ def run_child(task: Task) -> int:
     os.chdir(task.cwd)
     os.environ.clear()
     os.environ.update(task.env)
-    exit_note.install()
-    own_init_guard.install()
     signal.signal(signal.SIGINT, signal.default_int_handler)
     random.seed()
     import torch
@@ -156,15 +152,7 @@ def run_child(task: Task) -> int:
     # `ps`, `pgrep -f train.py` and /proc/<pid>/cmdline show the command it stands for (the
     # title takes the place of the server's environment block in /proc/<pid>/environ too).
     setproctitle.setproctitle(shlex.join(task.argv))
-    if task.argv[1] == "-m":  # python -m pkg.mod: the working directory first on the path
-        sys.argv = task.argv[2:]
-        sys.path[0] = os.getcwd()
-        runpy.run_module(task.argv[2], run_name="__main__", alter_sys=True)
-        return 0
-    script = task.argv[1]
-    sys.argv = task.argv[1:]
-    sys.path[0] = str(Path(script).resolve().parent)
-    runpy.run_path(script, run_name="__main__")
+    script_main.run(task.argv[1:])
     return 0
 
 

@@ -189,7 +189,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         **one_of(StartMethod.FORKSERVER),
         help="forkserver (the default): every rank and spare is forked from one process per "
         "node that has imported torch already, which starts them in a fraction of a second; "
-        "exec: a new interpreter for each, as `python script.py` (seconds of imports each)",
+        "exec: a new interpreter for each, running the script as `python script.py` would "
+        "(seconds of imports each)",
     )
     add(
         "--output-dir",

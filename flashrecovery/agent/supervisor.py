@@ -23,6 +23,7 @@ from pathlib import Path
 
 import psutil
 
+from flashrecovery.agent import script_main
 from flashrecovery.agent.forkserver import ForkedProcess, ForkServer, Task
 from flashrecovery.trainer_hooks.env import Role
 
@@ -245,7 +246,7 @@ def _start(command: list[str], env: dict[str, str], output: Path | None) -> subp
     out = None if output is None else open(output, "wb")  # noqa: SIM115
     try:
         return subprocess.Popen(
-            command,
+            script_main.wrapped(command),
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT if out else None,

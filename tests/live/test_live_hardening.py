@@ -242,18 +242,20 @@ def test_a_script_reading_rank_before_init_is_told_to_read_it_after_and_runs_wit
     assert err.count("read it after") == 1 and "no more are started" in err
 
 
+@pytest.mark.parametrize("start_method", ["forkserver", "exec"])
 def test_a_script_that_makes_its_own_default_group_is_told_the_fix_and_ends_at_once(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], start_method: str
 ) -> None:
     """An unported script (dist.init_process_group itself) fails on the first try with the
-    fix in the job's last line: no crash loop of replacements to sit through."""
+    fix in the job's last line: no crash loop of replacements to sit through (forked, or a
+    new interpreter each, started through agent/script_main.py)."""
     unported = tmp_path / "unported.py"
     unported.write_text(
         "import torch.distributed as dist\n"
         "dist.init_process_group('gloo')\n"
         "print('trained', dist.get_rank())\n"
     )
-    job = run_job(tmp_path, nproc=2, spares=1, script=unported)
+    job = run_job(tmp_path, nproc=2, spares=1, script=unported, start_method=start_method)
     assert job.exit_code != 0
     [verdict] = job.decisions("fail_job")
     assert verdict.failures == 1 and "cannot run the script" in verdict.reason
