@@ -1,8 +1,11 @@
 """An ordinary Lightning script (a LightningModule, a DataLoader, Trainer.fit with DDP) made to
 survive rank failures: the lines marked ``# hook`` are all flashrecovery changes
-(docs/hook.md, "Lightning").
+(docs/hook.md, "Lightning"). ``--hsdp``: FSDP2 over 2 replicas of each shard instead of DDP,
+sharded in ``configure_model`` over the strategy's mesh.
 
     flashrecovery run --nproc-per-node 3 --spares 1 examples/train_lightning.py --epochs 3
+    flashrecovery run --nproc-per-node 4 --shards 2 --spares 1 examples/train_lightning.py \
+        --hsdp --batch-size 6
 """
 
 from __future__ import annotations
@@ -15,9 +18,14 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
-from flashrecovery.integrations.lightning import FlashRecoveryStrategy  # hook
+from flashrecovery.integrations.lightning import (  # hook
+    FlashRecoveryHSDPStrategy,
+    FlashRecoveryStrategy,
+)
 
 
 class Regression(L.LightningModule):
@@ -27,6 +35,14 @@ class Regression(L.LightningModule):
             torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(32, 1)
         )
         self.step_time = step_time
+        self.final: torch.Tensor | None = None
+
+    def configure_model(self) -> None:
+        strategy = self.trainer.strategy
+        if isinstance(strategy, FlashRecoveryHSDPStrategy):
+            for layer in (self.net[0], self.net[3]):
+                fully_shard(layer, mesh=strategy.device_mesh)
+            fully_shard(self.net, mesh=strategy.device_mesh)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], index: int) -> torch.Tensor:
         x, y = batch
@@ -36,6 +52,12 @@ class Regression(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    def on_train_end(self) -> None:
+        """The whole parameters, on every rank (FSDP2's are gathered: a collective)."""
+        values = self.state_dict().values()
+        full = [t.full_tensor() if isinstance(t, DTensor) else t for t in values]
+        self.final = torch.cat([t.detach().reshape(-1) for t in full])
 
 
 def dataset() -> TensorDataset:
@@ -48,6 +70,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--devices", type=int, default=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    parser.add_argument("--hsdp", action="store_true", help="FSDP2, 2 replicas of each shard")
+    parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--out", type=Path, default=None, help="each rank's final parameters")
     parser.add_argument("--step-time", type=float, default=0.0, help="simulated compute, s")
     args = parser.parse_args()
@@ -56,7 +80,7 @@ def main() -> None:
     L.seed_everything(0, verbose=False)
     model = Regression(args.step_time)
     trainer = L.Trainer(
-        strategy=FlashRecoveryStrategy(),  # hook: was "ddp"
+        strategy=FlashRecoveryHSDPStrategy() if args.hsdp else FlashRecoveryStrategy(),  # hook
         accelerator="cpu",
         devices=args.devices,
         max_epochs=args.epochs,
@@ -65,11 +89,10 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(model, DataLoader(dataset(), batch_size=8, shuffle=True))
+    trainer.fit(model, DataLoader(dataset(), batch_size=args.batch_size, shuffle=True))
 
     if args.out is not None:
-        params = torch.cat([t.detach().reshape(-1) for t in model.state_dict().values()])
-        saved = {"params": params, "pid": os.getpid()}
+        saved = {"params": model.final, "pid": os.getpid()}
         torch.save(saved, args.out / f"rank{trainer.global_rank}.pt")
 
 

@@ -20,6 +20,7 @@ its own:
   reductions (set-up, resume) and the SIGTERM broadcast before its first batch stay local:
   its peers are in the step, not in Lightning's set-up.
 
+``FlashRecoveryHSDPStrategy`` is the same for FSDP2 over the session's replicate × shard mesh.
 Not covered (refused at set-up with the reason): manual optimization, more than one optimizer,
 gradient accumulation (a step of several batches cannot be recomputed from the last one).
 """
@@ -39,6 +40,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
 from flashrecovery.errors import ScriptError
@@ -223,6 +225,42 @@ class FlashRecoveryStrategy(DDPStrategy):
         super().on_exception(exception)
         if self._session is not None:
             self._session.__exit__(type(exception), exception, exception.__traceback__)
+
+
+class FlashRecoveryHSDPStrategy(FlashRecoveryStrategy):
+    """FSDP2 under Lightning, recoverable from a replica: the session's mesh of
+    ``world / S`` replicas by ``S`` shards (``flashrecovery run --shards S``) is
+    ``strategy.device_mesh``, over which the LightningModule's ``configure_model`` calls
+    ``fully_shard(..., mesh=self.trainer.strategy.device_mesh)``; the model is not wrapped in
+    DDP. A lost rank is restored from the rank holding its shard in another replica."""
+
+    strategy_name = "flashrecovery_hsdp"
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._mesh: DeviceMesh | None = None
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        if self._mesh is None:
+            raise RuntimeError("the device mesh is made with the trainer's fit()")
+        return self._mesh
+
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        session = self.session
+        shards = session.shards
+        replicas = session.world_size // shards
+        if replicas < 2:
+            raise ScriptError(
+                "FlashRecoveryHSDPStrategy needs a replica of every shard (`flashrecovery run "
+                f"--shards S` with S < the world's {session.world_size} ranks): with none, a "
+                "lost rank has no donor"
+            )
+        self._mesh = session.device_mesh((replicas, shards), ("replicate", "shard"))
+
+    def configure_ddp(self) -> None:
+        pass  # FSDP2 shards the model in the LightningModule's configure_model
 
 
 class _LoopState:

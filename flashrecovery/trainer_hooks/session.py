@@ -108,6 +108,11 @@ class Session:
         return self._env.world_size
 
     @property
+    def shards(self) -> int:
+        """The job's model shards (`flashrecovery run --shards`): a mesh's last dimension."""
+        return self._env.shards
+
+    @property
     def generation(self) -> int:
         return self._member.generation
 

@@ -42,3 +42,27 @@ def test_a_lightning_rank_killed_is_replaced_and_the_job_ends_bitwise_equal(
     for rank in (0, 2):
         assert job.final(rank)["pid"] == first_pids[rank], "a survivor was restarted"
     assert job.final(1)["pid"] != job.killed[1]
+
+
+# --hsdp: FSDP2 under Lightning (FlashRecoveryHSDPStrategy), 2 replicas x 2 shards on 4 ranks,
+# batches of 6 (10 per epoch per rank, as in the DDP job).
+HSDP = ["--hsdp", "--batch-size", "6"]
+
+
+def test_a_lightning_hsdp_rank_killed_is_restored_from_its_shard_s_replica(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "reference").mkdir()
+    reference = run_job(tmp_path / "reference", nproc=4, shards=2, script=EXAMPLE,
+                        script_args=HSDP)  # fmt: skip
+    assert reference.exit_code == 0, reference.records(type="job_finished")
+    (tmp_path / "killed").mkdir()
+    job = run_job(tmp_path / "killed", nproc=4, shards=2, spares=1, kill_at={1: 12},
+                  script=EXAMPLE, script_args=HSDP)  # fmt: skip
+    assert job.exit_code == 0, job.records(type="job_finished")
+    assert [r.rank for r in job.records(type="spare_activated")] == [1]
+    assert sorted({r.step for r in job.records(type="step_completed")}) == list(range(STEPS))
+    [transfer] = job.records(type="state_transferred")
+    assert (transfer.rank, transfer.donor) == (1, 3)  # rank 3 holds shard 1 in replica 1
+    for rank in range(4):
+        assert torch.equal(job.final(rank)["params"], reference.final(0)["params"]), rank
