@@ -37,6 +37,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -142,6 +143,7 @@ def run_child(task: Task) -> int:
     os.chdir(task.cwd)
     os.environ.clear()
     os.environ.update(task.env)
+    tempfile.tempdir = None  # the server's, cached: the child's TMPDIR is its own
     signal.signal(signal.SIGINT, signal.default_int_handler)
     random.seed()
     import torch

@@ -182,7 +182,7 @@ class Agent:
             forks = None
         supervisor = Supervisor(
             config.command,
-            self._child_env(member, meeting, relay),
+            {**self._child_env(member, meeting, relay), "TMPDIR": str(node_dir.tmp)},
             self._on_exit,
             config.output_dir,
             nproc_per_node=config.nproc,

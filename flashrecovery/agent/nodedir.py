@@ -1,4 +1,5 @@
-"""The agent's private directory for its node's local sockets (agent/relay.py, agent/links.py).
+"""The agent's private directory for its node's local sockets (agent/relay.py, agent/links.py)
+and its processes' temporary files.
 
 Only the user can enter it (mode 0700): that is what keeps other local users away from the
 sockets. Its name carries the agent's pid, so a SIGKILLed agent's directory, which nothing
@@ -16,11 +17,15 @@ PREFIX = "flashrecovery-node-"
 
 
 class NodeDir:
-    """``path`` is a fresh private directory; ``close()`` removes it."""
+    """``path`` is a fresh private directory; ``close()`` removes it. ``tmp`` in it is the
+    ``TMPDIR`` of the node's ranks and spares: what they leave there (a SIGKILLed rank's
+    multiprocessing directories, say) goes with the job."""
 
     def __init__(self) -> None:
         remove_stale(Path(tempfile.gettempdir()))
         self.path = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-"))  # mode 0700
+        self.tmp = self.path / "tmp"
+        self.tmp.mkdir(mode=0o700)
 
     def close(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)

@@ -20,7 +20,7 @@ its own:
   reductions (set-up, resume) and the SIGTERM broadcast before its first batch stay local:
   its peers are in the step, not in Lightning's set-up.
 
-``FlashRecoveryHSDPStrategy`` is the same for FSDP2 over the session's replicate × shard mesh.
+``FlashRecoveryHSDPStrategy`` is the same for FSDP2 over the session's replicate x shard mesh.
 Not covered (refused at set-up with the reason): manual optimization, more than one optimizer,
 gradient accumulation (a step of several batches cannot be recomputed from the last one).
 """

@@ -161,13 +161,14 @@ def reading_before_init(tmp_path: Path, variable: str) -> Path:
     FSDP2 and CUDA DDP scripts do; each process notes what it saw, and again at its end."""
     script = tmp_path / "reads_env_first.py"
     script.write_text(
-        "import json, os, runpy, sys\n"
+        "import json, os, runpy, sys, tempfile\n"
         "from pathlib import Path\n"
         f"seen = os.environ[{variable!r}]\n"
         "out = Path(sys.argv[sys.argv.index('--out') + 1])\n"
         "def note(when):\n"
         "    names = ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR')\n"
         "    env = {name: os.environ.get(name) for name in names}\n"
+        "    env['tmpfile'] = tempfile.mkstemp(prefix='left-')[1]  # left behind on purpose\n"
         "    (out / f'{when}-{os.getpid()}.json').write_text(json.dumps(env))\n"
         "note('start')\n"
         "end = os._exit  # the test script skips the interpreter's teardown\n"
@@ -194,6 +195,11 @@ def test_a_script_reading_local_rank_before_init_recovers_each_process_in_a_plac
     )
     assert_lossless(job, reference, incidents=1)
     started, ended = noted(job, "start"), noted(job, "end")
+    # Each process's TMPDIR is its agent's, removed with the job: what the killed rank (and
+    # every other) left there is gone.
+    left = [seen["tmpfile"] for seen in [*started.values(), *ended.values()]]
+    assert all("/flashrecovery-node-" in str(path) for path in left), left
+    assert not [path for path in left if Path(str(path)).exists()]
     joined = {r.rank: r.pid for r in job.records(type="rank_joined")}
     [spare] = [r for r in job.records(type="spare_ready") if r.spare_id == 0]
     [taken] = job.records(type="spare_activated")
