@@ -16,21 +16,15 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, TypeVar
 
 from flashrecovery.errors import ScriptError
 from flashrecovery.trainer_hooks.position import DataPosition
+from flashrecovery.trainer_hooks.training_state import Stateful
 
 T = TypeVar("T")
 _BATCHES = "_flashrecovery_batches"  # an adopted loader's session iteration, on the instance
 _ADOPTED: dict[type, type] = {}  # a loader class -> its adopted subclass
-
-
-@runtime_checkable
-class StatefulLoader(Protocol):
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
 class BatchSource:
@@ -40,7 +34,7 @@ class BatchSource:
 
     def __init__(self, loader: Iterable[Any], iterate: Callable[[], Iterator[Any]] | None = None):
         self.loader = loader
-        self.stateful = isinstance(loader, StatefulLoader)
+        self.stateful = isinstance(loader, Stateful)
         self._iterate = iterate or (lambda: iter(loader))
 
     def start(self, position: DataPosition) -> Iterator[Any]:

@@ -5,7 +5,7 @@ committed. A donor sends it, a recipient and a checkpoint load take it on."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -13,6 +13,7 @@ from flashrecovery.trainer_hooks import rng
 from flashrecovery.trainer_hooks.position import DataPosition
 
 
+@runtime_checkable
 class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
