@@ -14,10 +14,12 @@ QUIETED_C10D = "FLASHRECOVERY_QUIETED_C10D"  # the agent set TORCH_LOG_LEVEL, no
 
 def quiet_c10d() -> None:
     """An agent's process says in one line that a peer's store is gone; torch's c10d warnings
-    about it (with a C++ backtrace each) only bury that line. Called before torch loads,
-    unless the user chose a level; the ranks get the user's own (agent/job.py)."""
+    about it (with a C++ backtrace each) only bury that line: its warnings, and its errors too
+    (a store client that gives up logs one before it raises, which the agent reports itself).
+    Called before torch loads, unless the user chose a level; the ranks get the user's own
+    (agent/job.py)."""
     if TORCH_LOG_LEVEL not in os.environ:
-        os.environ[TORCH_LOG_LEVEL] = "ERROR"
+        os.environ[TORCH_LOG_LEVEL] = "FATAL"
         os.environ[QUIETED_C10D] = "1"
 
 

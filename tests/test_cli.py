@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -311,6 +312,30 @@ def test_a_timeline_that_cannot_be_written_is_one_line_and_makes_no_directory(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_quieted_store_client_that_gives_up_raises_without_a_cpp_backtrace() -> None:
+    """An agent's store client to a host just lost: c10d logs an error with a C++ backtrace
+    before it raises (seen on a survivor of node 0's loss); quieted, only the exception is left."""
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]  # closed again: nothing listens there
+    script = (
+        "import datetime\n"
+        "from flashrecovery.logs import quiet_c10d\n"
+        "quiet_c10d()\n"
+        "import torch.distributed as dist\n"
+        "try:\n"
+        f"    dist.TCPStore('127.0.0.1', {port}, is_master=False,\n"
+        "                  timeout=datetime.timedelta(seconds=1))\n"
+        "except RuntimeError as exc:\n"
+        "    print('gave up:', exc)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_CPP_LOG_LEVEL"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert done.stdout.startswith("gave up:"), done.stdout + done.stderr
+    assert "frame #" not in done.stderr and "Exception raised from" not in done.stderr, done.stderr
+
+
 def test_the_agents_quiet_c10d_and_leave_the_ranks_the_users_own_level(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -320,7 +345,7 @@ def test_the_agents_quiet_c10d_and_leave_the_ranks_the_users_own_level(
     monkeypatch.delenv(logs.TORCH_LOG_LEVEL, raising=False)
     monkeypatch.delenv(logs.QUIETED_C10D, raising=False)
     logs.quiet_c10d()
-    assert os.environ[logs.TORCH_LOG_LEVEL] == "ERROR"
+    assert os.environ[logs.TORCH_LOG_LEVEL] == "FATAL"
     assert logs.TORCH_LOG_LEVEL not in _base_env()  # the ranks: torch's default, as the user's
     monkeypatch.setenv(logs.TORCH_LOG_LEVEL, "INFO")
     monkeypatch.delenv(logs.QUIETED_C10D)

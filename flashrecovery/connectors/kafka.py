@@ -39,9 +39,13 @@ _CLIENT_DEFAULTS: dict[str, Mapping[str, Any]] = {
     name: client.DEFAULT_CONFIG for name, client in _CLIENTS.items()
 }
 RECONNECT_BACKOFF_MAX_MS = 1000
-# A reader asks for a partition's end this long at a time, then makes its client ask again who
-# leads it: kafka-python retries a lookup held by a leader gone (killed, paused, cut off) on that
-# same leader until its metadata is refreshed, which nothing else asks for (5 min by default).
+# A reader asks for a partition's end (or waits for a fetch) this long at a time, then makes its
+# client ask again who leads it: kafka-python retries a request held by a leader gone (killed,
+# paused, cut off) on that same leader until its metadata is refreshed, which nothing else asks
+# for (5 min by default). A paused leader that also led the controllers is replaced after ~6 s:
+# asked every 3 s, a reader learnt of it too late for its 10 s bound.
+LEADER_ASK_S = 1.0
+# How long an append given up on is looked for in the partition before the append fails.
 END_LOOKUP_S = 3.0
 PRODUCER_LINGER_MS = 5
 PRODUCER_BATCH_BYTES = 512 * 1024
@@ -467,6 +471,7 @@ class KafkaLog(LogConnector):
             if consumer.position(tp) != min(max(start, 0), ends[tp]):
                 consumer.seek(tp, min(max(start, 0), ends[tp]))
         found, progress_at = False, time.monotonic()
+        asked_at = progress_at
         while True:
             behind = any(consumer.position(tp) < ends[tp] for tp in starts)
             now = time.monotonic()
@@ -477,9 +482,16 @@ class KafkaLog(LogConnector):
                     f"Kafka at {self.settings.bootstrap}: no progress reading "
                     f"{sorted(tp.topic for tp in starts)} in {bound_s} s"
                 )
-            budget = bound_s - (now - progress_at) if behind else wait_until - now
+            if behind and now - asked_at >= LEADER_ASK_S:
+                # A fetch held by a leader gone waits out the request timeout (the whole bound)
+                # and blocks the next fetch there: ask who leads now, the fetch goes to them.
+                consumer._client.cluster.request_update()  # private: no public way to ask
+                asked_at = now
+            budget = (
+                min(bound_s - (now - progress_at), LEADER_ASK_S) if behind else wait_until - now
+            )
             for tp, records in consumer.poll(timeout_ms=max(1, int(budget * 1000))).items():
-                progress_at = time.monotonic()
+                progress_at = asked_at = time.monotonic()
                 for rec in records:
                     ends[tp] = max(ends[tp], rec.offset + 1)
                     if rec.offset >= starts[tp] and (key is None or rec.key == key):
@@ -489,18 +501,18 @@ class KafkaLog(LogConnector):
     def _end_offsets(
         self, consumer: KafkaConsumer, partitions: list[TopicPartition], bound_s: float
     ) -> dict[TopicPartition, int]:
-        """Each partition's end within ``bound_s``, asked END_LOOKUP_S at a time, the leaders
+        """Each partition's end within ``bound_s``, asked LEADER_ASK_S at a time, the leaders
         looked up anew between two asks (the broker a lookup waits on may be gone)."""
         deadline = time.monotonic() + bound_s
         while True:
             left_s = deadline - time.monotonic()
             try:
                 ends: dict[TopicPartition, int] = consumer.end_offsets(
-                    partitions, max(1, int(min(END_LOOKUP_S, left_s) * 1000))
+                    partitions, max(1, int(min(LEADER_ASK_S, left_s) * 1000))
                 )
                 return ends
             except KafkaTimeoutError:
-                if left_s <= END_LOOKUP_S:
+                if left_s <= LEADER_ASK_S:
                     raise
                 consumer._client.cluster.request_update()  # private: no public way to ask
 
