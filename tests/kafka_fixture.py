@@ -82,10 +82,12 @@ INDEPENDENT_CLIENTS = ["console-consumer", *(["kcat"] if shutil.which("kcat") el
 
 def read_topic(client: str, bootstrap: str, topic: str) -> list[tuple[str, str]]:
     """(key, value) of every record of a topic, as Debian's kcat or the broker's own console
-    consumer reads them."""
+    consumer reads them (committed only, as docs/kafka.md tells users: a fenced engine's
+    decisions are an aborted transaction's)."""
     with tempfile.TemporaryDirectory() as tmp:
         if client == "kcat":
             command = ["kcat", "-C", "-b", bootstrap, "-t", topic, "-e", "-q",
+                       "-X", "isolation.level=read_committed",
                        "-o", "beginning", "-f", "%k\t%s\n"]  # fmt: skip
         else:
             config = Path(tmp) / "log4j2.properties"
@@ -93,6 +95,7 @@ def read_topic(client: str, bootstrap: str, topic: str) -> list[tuple[str, str]]
             command = ["java", f"-Dlog4j2.configurationFile={config}",
                        "-cp", f"{ensure_jars()}/*", CONSOLE_CONSUMER,
                        "--bootstrap-server", bootstrap, "--topic", topic, "--from-beginning",
+                       "--isolation-level", "read_committed",
                        "--timeout-ms", "10000", "--formatter-property", "print.key=true",
                        "--formatter-property", "key.separator=\t"]  # fmt: skip
         done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)

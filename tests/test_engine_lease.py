@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from flashrecovery.connectors.base import Entry
 from flashrecovery.connectors.memory import MemoryLog
 from flashrecovery.engine.lease import LeaseBook
 from flashrecovery.engine.loop import EngineLoop
@@ -59,11 +60,31 @@ def append_all(log: MemoryLog, records: list[Envelope]) -> None:
         log.append(Stream.EVENTS, record)
 
 
+class FencingLog(MemoryLog):
+    """Notes each fence, and how many decisions the read right after it found: what an engine
+    that starts deciding learns, once its predecessor can write no more (connectors/kafka.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def fence(self, job_id: str) -> None:
+        self.calls.append("fence")
+
+    def read(
+        self, stream: Stream, job_id: str, from_position: int = 0, limit: int | None = None
+    ) -> list[Entry]:
+        entries = super().read(stream, job_id, from_position, limit)
+        if stream is Stream.DECISIONS and self.calls[-1:] == ["fence"]:
+            self.calls.append(f"then read {len(entries)}")
+        return entries
+
+
 def test_standby_takes_over_mid_incident_without_duplicates() -> None:
     reference = MemoryLog()
     scripted_failure(reference, JOB)
 
-    log = MemoryLog()
+    log = FencingLog()
     world = SimulatedWorld(JOB)
 
     def clock() -> float:
@@ -95,6 +116,7 @@ def test_standby_takes_over_mid_incident_without_duplicates() -> None:
 
     ids = [e.record.record_id for e in log.read(Stream.DECISIONS, JOB) if e.record]
     assert len(ids) == len(set(ids))
+    assert log.calls == ["fence", "then read 0", "fence", "then read 3"]  # each, before deciding
     assert essentials(log) == essentials(reference)
     assert replay_job(log, JOB).ok
 

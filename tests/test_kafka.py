@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kafka import KafkaProducer
 from kafka.admin import KafkaAdminClient
-from kafka.errors import KafkaTimeoutError
+from kafka.errors import KafkaError, KafkaTimeoutError
 from kafka_fixture import INDEPENDENT_CLIENTS, fresh_prefix, kafka_url, read_topic
 
 from flashrecovery.cli import main
@@ -351,3 +352,46 @@ def test_an_append_stored_though_the_producer_gave_up_on_it_is_stored_once(
     assert [e.record.record_id for e in entries] == [r.record_id for r in batch]
     assert [e.position for e in entries] == positions
     assert verify_chains({Stream.EVENTS: entries}).ok
+
+
+@pytest.mark.parametrize("client", INDEPENDENT_CLIENTS)
+def test_a_superseded_engines_decision_in_flight_is_never_stored(
+    kafka_bootstrap: str, client: str
+) -> None:
+    """An engine cut off with a decision sent but not committed, superseded meanwhile: the new
+    engine's fence aborts it, so no reader (ours, or a client the project did not write) ever
+    sees it and nothing is decided twice; when its link heals its commit is refused, and a
+    fenced handle's next decision is a LogError, never a write."""
+    url = kafka_url(kafka_bootstrap)
+    settings = KafkaSettings.parse(url)
+
+    def decision(record_id: str) -> IsolateRank:
+        return IsolateRank(job_id="job-a", generation=0, source="engine", caused_by=0, rank=0,
+                           reason="test", record_id=record_id)  # fmt: skip
+
+    first, new = open_log(url), open_log(url)
+    cut_off = KafkaProducer(
+        **settings.config("producer"), transactional_id=settings.decider_id("job-a")
+    )
+    try:
+        first.fence("job-a")
+        first.append(Stream.DECISIONS, decision("kept"))
+        cut_off.init_transactions()  # the engine that took over from the first, then cut off
+        cut_off.begin_transaction()
+        cut_off.send(settings.topic(Stream.DECISIONS), key=b"job-a",
+                     value=dump_record(decision("in-flight")))  # fmt: skip
+        cut_off.flush()  # in the partition, its transaction still open
+        new.fence("job-a")
+        new.append(Stream.DECISIONS, decision("after"))
+        with pytest.raises(KafkaError):
+            cut_off.commit_transaction()  # the link heals: too late
+        with pytest.raises(LogError, match="fence"):
+            first.append(Stream.DECISIONS, decision("stale"))
+        ids = [e.record.record_id for e in new.read(Stream.DECISIONS, "job-a") if e.record]
+        assert ids == ["kept", "after"]
+        read = read_topic(client, kafka_bootstrap, settings.topic(Stream.DECISIONS))
+        assert [parse_record(value).record_id for _, value in read] == ["kept", "after"]
+    finally:
+        cut_off.close(timeout=0)
+        first.close()
+        new.close()

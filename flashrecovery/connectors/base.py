@@ -95,6 +95,13 @@ class LogConnector(ABC):
         """Wait until every record handed to ``append_async`` is stored; a LogError if some
         could not be (they are lost) or ``timeout`` seconds passed first."""
 
+    def fence(self, job_id: str) -> None:  # noqa: B027 - nothing to fence in one process
+        """Make this handle the job's one writer of decisions from now on: the decisions an
+        earlier writer (another engine, before a takeover) has not stored by now are never
+        stored, and a read after this returns every one it did store. A handle fenced off in
+        turn fails its next decision with a LogError. The engine calls it before it reads what
+        was decided and starts deciding. Here: a log in one process has no writer to fence."""
+
     def chain_head(self, job_id: str, stream: Stream, source: str) -> str | None:
         """SHA-256 of the last record this handle appended for ``source`` in the job's stream."""
         return self._chains.head(job_id, stream, source)

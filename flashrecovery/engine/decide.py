@@ -109,6 +109,8 @@ def _apply(ctx: Context) -> None:
     if isinstance(record, FENCED_TYPES) and record.generation < state.generation:
         if isinstance(record, Heartbeat):
             _beat_before_the_plan(state, record)
+        if isinstance(record, StepCompleted):
+            state.late_commit = max(state.late_commit, record.step)
         state.fenced += 1
         return
     if isinstance(record, FENCED_TYPES) and record.generation > state.generation:
@@ -475,10 +477,12 @@ def _rank_regrouped(ctx: Context, record: RankRegrouped) -> None:
         ctx.fire(view.machine, Trigger.PAUSE)
     if view.machine.state != RankState.PAUSED:
         raise Rejected(f"rank {record.rank} is {view.machine.state}, not regrouping")
-    # Its last step record may have been fenced (sent as the generation ended): one step past
-    # what the records say is possible, more is not. A rank that loaded the latest checkpoint
-    # in a fallback that a newer failure cut short holds that checkpoint's step.
-    held = max(state.max_committed(), state.checkpoint[0] if state.checkpoint else -1)
+    # Its last step record may have been fenced (sent as the generation ended), or lost: one
+    # step past what the records say is possible, more is not. Steps its generation committed
+    # after the plan (fenced, state.late_commit) count. A rank that loaded the latest
+    # checkpoint in a fallback that a newer failure cut short holds that checkpoint's step.
+    checkpoint = state.checkpoint[0] if state.checkpoint else -1
+    held = max(state.max_committed(), state.late_commit, checkpoint)
     if record.committed_step > held + 1:
         raise Rejected(
             f"rank {record.rank} says it holds step {record.committed_step}, but no member "

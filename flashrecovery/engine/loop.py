@@ -128,6 +128,9 @@ class EngineLoop:
             self._leading = False
             return
         if not self._leading:  # starting, or taking over: learn what is written already
+            # Fenced first: a predecessor's decision still in flight (its node cut off) is then
+            # never stored, so what is read now is all it decided and nothing is decided twice.
+            self.log.fence(self.job_id)
             self._written = {
                 e.record.record_id
                 for e in self.log.read(Stream.DECISIONS, self.job_id)

@@ -275,6 +275,10 @@ class EngineState:
     rejected: Counter[str] = field(default_factory=Counter)  # reason -> count
     last_rejection: str = ""  # the newest reason, for the loop to report
     fenced: int = 0  # records of stale generations ignored
+    # The newest step a superseded generation's members said they committed after the plan
+    # that superseded it (never applied): a member replaced alive (a straggler) leaves the
+    # others training until the plan reaches them, so they may hold more than one step past it.
+    late_commit: int = -1
     engine_faults: list[str] = field(default_factory=list)  # the engine's own bugs, said aloud
     verdict: str | None = None  # why the engine failed the job (FailJob), if it did
     failures: Counter[tuple[int, int]] = field(default_factory=Counter)  # (rank, step) -> count
