@@ -85,6 +85,9 @@ offsets.topic.replication.factor={replicas}
 offsets.topic.num.partitions=1
 transaction.state.log.replication.factor={replicas}
 transaction.state.log.min.isr={min_isr}
+# The engines' decisions are written in transactions (docs/kafka.md): one partition for their
+# state, not 50 made on the first fence
+transaction.state.log.num.partitions=1
 share.coordinator.state.topic.replication.factor={replicas}
 share.coordinator.state.topic.min.isr={min_isr}
 group.initial.rebalance.delay.ms=0
