@@ -19,6 +19,7 @@ from kafka import KafkaProducer
 from kafka.admin import KafkaAdminClient
 from kafka.errors import KafkaError, KafkaTimeoutError
 from kafka_fixture import INDEPENDENT_CLIENTS, fresh_prefix, kafka_url, read_topic
+from structlog.testing import capture_logs
 
 from flashrecovery.cli import main
 from flashrecovery.connectors import LogConnector, open_log
@@ -170,7 +171,7 @@ def test_records_handed_over_while_the_broker_is_down_are_stored_once_when_it_re
             log.append_async(Stream.EVENTS, heartbeat("job", step))
             assert time.monotonic() - started < 1  # handed over, not acknowledged
         impatient.append_async(Stream.EVENTS, heartbeat("other-job", 1))
-        with pytest.raises(LogError, match=r"1 record\(s\) .* not stored \(lost\)"):
+        with pytest.raises(LogError, match=r"1 record\(s\) .* not stored \(lost;"):
             impatient.flush(timeout=WAIT_S)  # its 2 s delivery bound passes first
         assert broker.start() == bootstrap  # same data dir, same port
         log.flush(timeout=WAIT_S)
@@ -185,6 +186,45 @@ def test_records_handed_over_while_the_broker_is_down_are_stored_once_when_it_re
     assert chains[1].writer != chains[0].writer and chains[1].seq == 0
     assert verify_chains({Stream.EVENTS: entries}).ok
     assert verify_chains({Stream.EVENTS: others}).ok
+
+
+def test_a_writer_whose_batch_expired_in_flight_goes_on_writing(own_broker: KafkaBroker) -> None:
+    """A leader that stops answering (paused here, cut off in a chaos run) past the delivery
+    bound: the batch in flight times out, is retried, and expires. kafka-python then dropped
+    the producer's id without asking for a new one, so every later append waited for ever (the
+    chaos run's agent fell silent and its node was declared lost). It bumps the producer's
+    epoch instead (KIP-360) and goes on once the broker answers."""
+    url = kafka_url(own_broker.bootstrap, timeout_s=2) + "&producer.delivery_timeout_ms=6000"
+    assert own_broker.process is not None
+    with open_log(url) as log:
+        log.append(Stream.EVENTS, heartbeat("job", 0))
+        own_broker.process.suspend()
+        try:
+            log.append_async(Stream.EVENTS, heartbeat("job", 1))
+            with pytest.raises(LogError, match="Expiring 1 record"):
+                log.flush(timeout=WAIT_S)  # timed out at 2 s, retried, expired at 6 s
+        finally:
+            own_broker.process.resume()
+        log.append(Stream.EVENTS, heartbeat("job", 2))
+        steps = [
+            e.record.step for e in log.read(Stream.EVENTS, "job") if isinstance(e.record, Heartbeat)
+        ]
+    # the paused leader took step 1's request before it stopped: stored, unacknowledged
+    assert steps in ([0, 2], [0, 1, 2])
+
+
+def test_a_log_closed_with_records_it_could_not_store_says_so_and_does_not_raise() -> None:
+    """A writer ends while its broker is away (an agent after a cut): what its producer
+    still holds is lost, said in one line, and the process exits cleanly."""
+    with restartable() as (broker, _, impatient):
+        impatient.append(Stream.EVENTS, heartbeat("job", 0))
+        broker.stop()
+        impatient.append_async(Stream.EVENTS, heartbeat("job", 1))
+        with capture_logs() as logs:
+            impatient.close()  # its 2 s bound passes with the record still held
+    assert [e["event"] for e in logs if e["log_level"] == "warning"] == [
+        "records not stored before the log was closed"
+    ]
 
 
 def test_an_unreachable_broker_is_a_clear_error_within_the_bound() -> None:

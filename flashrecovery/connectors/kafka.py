@@ -202,6 +202,24 @@ class KafkaSettings:
         return f"{self.topic_prefix}{job_id}.decisions"
 
 
+def _bump_epoch_on_reset(producer: KafkaProducer) -> None:
+    """kafka-python (3.0.12) drops an idempotent producer's id when a batch it had sent
+    expires (a leader cut off past the delivery bound) but never asks for a new one: every
+    later send then waits for ever, and its writer falls silent (a chaos run's agent, its node
+    declared lost). Kafka's own client bumps the producer's epoch there (KIP-360, brokers 2.5
+    and later); so does this one. Private: kafka-python offers no public way."""
+    manager = producer._transaction_manager
+    reset = manager.reset_producer_id
+
+    def bump_instead() -> None:
+        if manager._supports_epoch_bump() and manager.has_producer_id():
+            manager.bump_producer_id_and_epoch()
+        else:
+            reset()
+
+    manager.reset_producer_id = bump_instead
+
+
 @contextlib.contextmanager
 def _failing_as_log_error(what: str, bootstrap: str) -> Iterator[None]:
     try:
@@ -273,6 +291,7 @@ class KafkaLog(LogConnector):
         try:
             if not read_only:
                 self._producer = settings.connect("producer")
+                _bump_epoch_on_reset(self._producer)
             consumer = self._consumer  # connect now, so that a bad setting fails here
             if read_only:
                 with self._failing("listing topics"):
@@ -484,7 +503,8 @@ class KafkaLog(LogConnector):
         if unsent:
             raise LogError(
                 f"Kafka at {self.settings.bootstrap}: {len(unsent)} record(s) handed over "
-                f"without waiting were not stored (lost): {unsent[0]!r}"
+                "without waiting were not stored (lost; or, sent to a leader that stopped "
+                f"answering, stored unacknowledged): {unsent[0]!r}"
             )
 
     def read(
@@ -596,7 +616,12 @@ class KafkaLog(LogConnector):
         for job_id in list(self._deciders):
             self._drop_decider(job_id)
         if self._producer is not None:
-            self._producer.close(timeout=self.settings.timeout_s)
+            try:
+                self._producer.close(timeout=self.settings.timeout_s)
+            except KafkaError as exc:  # what it still held is lost: said, not a traceback
+                log.warning("records not stored before the log was closed", error=repr(exc))
+                # private: kafka-python's close flushes first, so it would only raise again
+                self._producer._sender.force_close()
         with self._consumers_lock:
             for consumer in self._consumers:
                 consumer.close()
