@@ -115,6 +115,13 @@ def test_a_decision_by_an_engine_never_granted_the_lease_is_named(
     decisions = handles["engine"].read(Stream.DECISIONS, JOB)
     [never, refused] = consistency.deciders_without_lease(events, decisions)  # sorted
     assert refused == "other" and never.startswith("an engine that took no lease (log handle")
+    # the holder's decisions' chain went on under a new writer id (a decision batch failed):
+    # still the holder's handle
+    held = decisions[0].record
+    assert held is not None and held.chain is not None
+    restarted = held.model_copy(update={"chain": held.chain.model_copy(
+        update={"writer": f"{held.chain.writer}.1"})})  # fmt: skip
+    assert consistency.deciders_without_lease(events, [entry(9, restarted)]) == []
 
 
 def entry(position: int, record: object) -> Entry:

@@ -23,9 +23,11 @@ from flashrecovery.records import EngineLease, FallbackToCheckpoint, NodeJoined,
 
 
 def _handle(entry: Entry) -> str | None:
-    """The log handle (its writer token) that stored an entry, if it is chained."""
+    """The log handle (its writer token) that stored an entry, if it is chained: a chain that
+    went on under a new writer id after a failed append (``<token>.<restarts>``, per stream)
+    is still its handle's."""
     link = entry.record.chain if entry.record is not None else None
-    return link.writer.partition("/")[2] if link is not None else None
+    return link.writer.partition("/")[2].partition(".")[0] if link is not None else None
 
 
 def deciders_without_lease(events: Iterable[Entry], decisions: Iterable[Entry]) -> list[str]:
