@@ -96,6 +96,9 @@ def pool(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "records": sum(r["records"] for r in records),
         "records_stored_twice": sum(r["duplicate_record_ids"] for r in records),
         "step_records_missing": sum(r["step_records_missing"] for r in records),
+        "step_records_lost_with_nodes": sum(
+            r.get("step_records_lost_with_nodes", 0) for r in records
+        ),
         "step_records_duplicated": sum(r["step_records_duplicated"] for r in records),
         "runs": len(runs),
         "runs_without_verdict": sum("error" in run for run in runs),
@@ -198,7 +201,8 @@ def show(console: Console, name: str, pooled: dict[str, Any]) -> None:
     console.print(table(name, [*columns, "steps lost"], rows))
     console.print(
         f"records {pooled['records']}: stored twice {pooled['records_stored_twice']}, "
-        f"step records missing {pooled['step_records_missing']}, "
+        f"step records missing {pooled['step_records_missing']} "
+        f"(and {pooled['step_records_lost_with_nodes']} a lost node took with it), "
         f"duplicated {pooled['step_records_duplicated']}"
     )
     passing = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in pooled["runs_passing"].items())

@@ -22,6 +22,7 @@ import pytest
 import torch
 from factories import JOB, T0, TYPES_BY_NAME, make
 
+from flashrecovery.chaos.verdict import record_counts
 from flashrecovery.connectors import open_log
 from flashrecovery.connectors.memory import MemoryLog
 from flashrecovery.demo.data import batch_for
@@ -205,6 +206,10 @@ def test_a_lost_node_may_take_its_ranks_newest_step_records_and_only_those() -> 
     assert curve["continuous"] and curve["lost_with_nodes"] == {2: [2], 3: [2]}
     del per_rank[0][1]  # a survivor's step 1: a real gap
     assert loss_curve(per_rank, 4, 4, frozenset(), lost)["gaps"] == {0: [1]}
+    # chaos counts them apart too: the log lost none of what it was given
+    counts = record_counts(log, JOB, 4, 3)
+    assert counts["step_records_missing"] == 0 and counts["step_records_lost_with_nodes"] == 2
+    assert record_counts(log, JOB, 4, 4)["step_records_missing"] == 4  # step 3: never recorded
 
 
 def test_summary_of_a_scripted_recovery(tmp_path: Path) -> None:

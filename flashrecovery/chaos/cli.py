@@ -555,7 +555,8 @@ def print_verdict(verdict: dict[str, Any], console: Console) -> None:
     records = verdict["records"]
     console.print(
         f"{records['records']} records; stored twice: {records['duplicate_record_ids']}; "
-        f"step records missing: {records['step_records_missing']}, "
+        f"step records missing: {records['step_records_missing']} "
+        f"(a lost node took {records['step_records_lost_with_nodes']} with it), "
         f"twice: {records['step_records_duplicated']}"
     )
     if verdict["processes_left"]:
