@@ -30,10 +30,10 @@ from flashrecovery.agent import netns
 from flashrecovery.agent.launcher import one_of
 from flashrecovery.records import StragglerPolicy
 
-# broker_partition and node_kill_leader_cut are left out: a node lost while the writers still
-# get over a broker cut off is not yet recovered reliably (docs/multinode.md, "What is not
-# built yet")
-KINDS = "node_kill,node0_kill,partition,node0_partition,oneway,flap,degraded,broker_kill"
+KINDS = (
+    "node_kill,node0_kill,partition,node0_partition,oneway,flap,degraded,broker_kill,"
+    "broker_partition,node_kill_leader_cut"
+)
 QUICK_KINDS = "partition,degraded"
 SPLIT_BRAIN = ("unleased_deciders", "double_commits", "believed_from_lost_nodes")
 

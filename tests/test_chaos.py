@@ -95,6 +95,11 @@ def test_a_run_kills_one_broker_at_most() -> None:
     for seed in range(20):
         faults = draw(9, seed, 6, kinds, first_step=4, gap=8, nodes=3)
         assert [f.kind for f in faults].count("broker_kill") == 1
+    # nor is a leader cut off once one is killed: two of three lost at once, for the cut
+    kinds = ["broker_kill", "broker_partition", "flap", "degraded"]
+    for seed in range(20):
+        dealt = [f.kind for f in draw(9, seed, 8, kinds, first_step=4, gap=8, nodes=3)]
+        assert "broker_partition" not in dealt[dealt.index("broker_kill") :]
     with pytest.raises(ValueError, match="or brokers"):
         draw(2, 0, 6, ["broker_kill"], first_step=4, gap=8, nodes=3)
 

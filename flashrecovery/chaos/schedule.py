@@ -170,7 +170,8 @@ def draw(
         broker_left = brokers_killed < BROKERS_TOLERATED
         # A slowed link is named only among 3 nodes or more (the spare node counted), so it
         # needs 2 of the job's nodes; a loss that leaves one is dealt only where what follows
-        # needs none. A second broker kill would stop every write (BROKERS_TOLERATED).
+        # needs none. A second broker lost, killed or cut off (however briefly), would stop
+        # every write and the controllers' quorum (BROKERS_TOLERATED).
         after = faults - index - 1
         nodeless = int(broker_left and "broker_kill" in kinds)
         may_lose = len(alive) > 2 or (len(alive) == 2 and after <= nodeless) or nodes == 1
@@ -220,7 +221,7 @@ def _deal(
         if (kind in NODE0 and 0 not in alive) or (kind in NODE_KINDS and not alive):
             continue
         barred = (kind in NODE_LOST and not may_lose) or (kind in SLOWED and not may_slow)
-        if barred or (kind == "broker_kill" and not broker_left):
+        if barred or (kind in ("broker_kill", *LEADER_CUT) and not broker_left):
             continue
         return kind
     raise ValueError(
