@@ -12,12 +12,13 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from kafka import KafkaProducer
+from kafka import KafkaProducer, TopicPartition
 from kafka.admin import KafkaAdminClient
-from kafka.errors import KafkaError, KafkaTimeoutError
+from kafka.errors import KafkaError, KafkaTimeoutError, UnknownBrokerIdError
 from kafka_fixture import INDEPENDENT_CLIENTS, fresh_prefix, kafka_url, read_topic
 from structlog.testing import capture_logs
 
@@ -211,6 +212,38 @@ def test_a_writer_whose_batch_expired_in_flight_goes_on_writing(own_broker: Kafk
         ]
     # the paused leader took step 1's request before it stopped: stored, unacknowledged
     assert steps in ([0, 2], [0, 1, 2])
+
+
+def test_an_end_lookup_on_metadata_naming_a_broker_gone_asks_again() -> None:
+    """A killed broker dropped from the cluster's metadata while the partition's cached
+    leader still names it: kafka-python raises UnknownBrokerIdError at once, and never asks
+    again by itself for minutes (a nemesis run's agent read nothing for 50 s and its ranks
+    were given up). The lookup asks who leads and tries again within its bound."""
+
+    class Cluster:
+        updates = 0
+
+        def request_update(self) -> None:
+            self.updates += 1
+
+    class Consumer:
+        def __init__(self) -> None:
+            self._client = SimpleNamespace(cluster=Cluster())
+            self.failures = 2
+
+        def end_offsets(self, partitions: list[TopicPartition], timeout_ms: int) -> dict:
+            if self.failures:
+                self.failures -= 1
+                raise UnknownBrokerIdError(1)
+            return dict.fromkeys(partitions, 7)
+
+    tp = TopicPartition("t.events", 0)
+    consumer = Consumer()
+    assert KafkaLog._end_offsets(consumer, [tp], WAIT_S) == {tp: 7}  # type: ignore[arg-type]
+    assert consumer._client.cluster.updates == 2
+    consumer.failures = 1000
+    with pytest.raises(UnknownBrokerIdError):  # its bound still holds
+        KafkaLog._end_offsets(consumer, [tp], 1.5)  # type: ignore[arg-type]
 
 
 def test_a_log_closed_with_records_it_could_not_store_says_so_and_does_not_raise() -> None:

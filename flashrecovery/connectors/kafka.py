@@ -24,7 +24,12 @@ from urllib.parse import parse_qsl, urlsplit
 
 import structlog
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
-from kafka.errors import KafkaError, KafkaTimeoutError, TopicAlreadyExistsError
+from kafka.errors import (
+    KafkaError,
+    KafkaTimeoutError,
+    TopicAlreadyExistsError,
+    UnknownBrokerIdError,
+)
 from kafka.partitioner.default import murmur2
 
 from flashrecovery.connectors.base import Entry, LogConnector
@@ -50,6 +55,7 @@ END_LOOKUP_S = 3.0
 # A decisions transaction waits this long between its steps when the broker is busy finishing
 # the previous one (kafka-python's 100 ms made each decision cost ~120 ms; this, ~15 ms).
 DECIDER_RETRY_BACKOFF_MS = 5
+METADATA_WAIT_S = 0.1  # between two lookups the stale metadata failed at once
 PRODUCER_LINGER_MS = 5
 PRODUCER_BATCH_BYTES = 512 * 1024
 CONSUMER_POLL_RECORDS = 5000
@@ -584,11 +590,14 @@ class KafkaLog(LogConnector):
                         found = True
                         yield rec
 
+    @staticmethod
     def _end_offsets(
-        self, consumer: KafkaConsumer, partitions: list[TopicPartition], bound_s: float
+        consumer: KafkaConsumer, partitions: list[TopicPartition], bound_s: float
     ) -> dict[TopicPartition, int]:
         """Each partition's end within ``bound_s``, asked LEADER_ASK_S at a time, the leaders
-        looked up anew between two asks (the broker a lookup waits on may be gone)."""
+        looked up anew between two asks (the broker a lookup waits on may be gone). Metadata
+        that still names a broker gone from it (killed, then dropped by its controllers:
+        UnknownBrokerIdError, which kafka-python does not retry) is looked up anew too."""
         deadline = time.monotonic() + bound_s
         while True:
             left_s = deadline - time.monotonic()
@@ -597,10 +606,12 @@ class KafkaLog(LogConnector):
                     partitions, max(1, int(min(LEADER_ASK_S, left_s) * 1000))
                 )
                 return ends
-            except KafkaTimeoutError:
+            except (KafkaTimeoutError, UnknownBrokerIdError) as exc:
                 if left_s <= LEADER_ASK_S:
                     raise
                 consumer._client.cluster.request_update()  # private: no public way to ask
+                if isinstance(exc, UnknownBrokerIdError):  # raised at once: let the answer come
+                    time.sleep(METADATA_WAIT_S)
 
     def jobs(self) -> list[str]:
         with self._failing("listing jobs"):
