@@ -181,7 +181,9 @@ def test_every_dashboard_expression_returns_a_series_from_a_live_job(
     assert one(answers, "sum by (job_id) (flashrecovery_spares_ready") == 1
     assert one(answers, "sum by (state) (flashrecovery_ranks", state="healthy") == 3
     p50 = one(answers, "histogram_quantile(0.5")
-    assert 0.1 < p50 <= 0.25  # a step sleeps 0.2 s: the bucket up to 0.25 s, interpolated
+    # a step sleeps 0.2 s: the bucket up to 0.25 s, interpolated, or on a loaded machine (CI
+    # read 0.30 s once) the next one, up to 0.5 s; never below the sleep's bucket
+    assert 0.1 < p50 <= 0.5
     hosts = answers[f'{HOST_FAMILY}{{job_id=~"live"}}']
     assert [series["metric"]["job"] for series in hosts] == ["per-host"]
 
