@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +26,13 @@ from structlog.testing import capture_logs
 from flashrecovery.cli import main
 from flashrecovery.connectors import LogConnector, open_log
 from flashrecovery.connectors.follow import append_many_through_outage
-from flashrecovery.connectors.kafka import KafkaLog, KafkaSettings, redact
+from flashrecovery.connectors.kafka import (
+    KafkaLog,
+    KafkaSettings,
+    _close_at_once,
+    _commit_within,
+    redact,
+)
 from flashrecovery.connectors.kafka_broker import KafkaBroker, free_port
 from flashrecovery.errors import LogError
 from flashrecovery.records import (
@@ -41,6 +48,11 @@ from flashrecovery.replay.verify import verify as verify_chains
 
 pytestmark = pytest.mark.kafka
 WAIT_S = 60.0  # bound on a broker restart or a CLI call: never reached when green
+
+
+def decision(record_id: str, job_id: str = "job") -> IsolateRank:
+    return IsolateRank(job_id=job_id, generation=0, source="engine", caused_by=0, rank=0,
+                       reason="test", record_id=record_id)  # fmt: skip
 
 
 def heartbeat(job_id: str, step: int) -> Heartbeat:
@@ -438,29 +450,25 @@ def test_a_superseded_engines_decision_in_flight_is_never_stored(
     url = kafka_url(kafka_bootstrap)
     settings = KafkaSettings.parse(url)
 
-    def decision(record_id: str) -> IsolateRank:
-        return IsolateRank(job_id="job-a", generation=0, source="engine", caused_by=0, rank=0,
-                           reason="test", record_id=record_id)  # fmt: skip
-
     first, new = open_log(url), open_log(url)
     cut_off = KafkaProducer(
-        **settings.config("producer"), transactional_id=settings.decider_id("job-a")
+        **settings.config("producer"), transactional_id=settings.decider_id("job")
     )
     try:
-        first.fence("job-a")
+        first.fence("job")
         first.append(Stream.DECISIONS, decision("kept"))
         cut_off.init_transactions()  # the engine that took over from the first, then cut off
         cut_off.begin_transaction()
-        cut_off.send(settings.topic(Stream.DECISIONS), key=b"job-a",
+        cut_off.send(settings.topic(Stream.DECISIONS), key=b"job",
                      value=dump_record(decision("in-flight")))  # fmt: skip
         cut_off.flush()  # in the partition, its transaction still open
-        new.fence("job-a")
+        new.fence("job")
         new.append(Stream.DECISIONS, decision("after"))
         with pytest.raises(KafkaError):
             cut_off.commit_transaction()  # the link heals: too late
         with pytest.raises(LogError, match="fence"):
             first.append(Stream.DECISIONS, decision("stale"))
-        ids = [e.record.record_id for e in new.read(Stream.DECISIONS, "job-a") if e.record]
+        ids = [e.record.record_id for e in new.read(Stream.DECISIONS, "job") if e.record]
         assert ids == ["kept", "after"]
         read = read_topic(client, kafka_bootstrap, settings.topic(Stream.DECISIONS))
         assert [parse_record(value).record_id for _, value in read] == ["kept", "after"]
@@ -468,3 +476,68 @@ def test_a_superseded_engines_decision_in_flight_is_never_stored(
         cut_off.close(timeout=0)
         first.close()
         new.close()
+
+
+def test_a_decision_handed_over_while_the_broker_restarts_is_stored_or_fails_as_a_log_error(
+    own_broker: KafkaBroker,
+) -> None:
+    """The broker down when a decision is handed over, then back: the decision is stored, or
+    it fails as a LogError within the bound (the decider given up at once, though a batch of
+    it is unanswered) and the next fence settles it; nothing is stored twice."""
+    with open_log(kafka_url(own_broker.bootstrap, timeout_s=5)) as log:
+        log.fence("job")
+        log.append(Stream.DECISIONS, decision("kept"))
+        own_broker.stop(keep_data=True)
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(log.append, Stream.DECISIONS, decision("in-flight"))
+            own_broker.start()
+            try:
+                pending.result(timeout=WAIT_S)
+            except LogError as exc:
+                assert "the next fence settles it" in str(exc)
+                log.fence("job")
+        log.append(Stream.DECISIONS, decision("after"))
+        ids = [e.record.record_id for e in log.read(Stream.DECISIONS, "job") if e.record]
+    assert ids in (["kept", "after"], ["kept", "in-flight", "after"])
+
+
+def test_a_commit_whose_coordinator_restarts_ends_within_its_bound(
+    own_broker: KafkaBroker,
+) -> None:
+    """A transaction's records sent, the broker restarted, then the commit: kafka-python waits
+    for its answer with no bound and never hears one (a CI run's engine hung for good, and its
+    job never recovered). Ours is answered or gives up within the bound; the next fence settles
+    the transaction, and no decision is stored twice."""
+    url = kafka_url(own_broker.bootstrap, timeout_s=5)
+    settings = KafkaSettings.parse(url)
+    decider = KafkaProducer(
+        **settings.config("producer"), transactional_id=settings.decider_id("job")
+    )
+    outcome: list[BaseException | None] = []
+
+    def commit() -> None:
+        try:
+            _commit_within(decider, settings.timeout_s)
+            outcome.append(None)
+        except KafkaTimeoutError as exc:
+            outcome.append(exc)
+
+    try:
+        decider.init_transactions()
+        decider.begin_transaction()
+        decider.send(settings.topic(Stream.DECISIONS), key=b"job",
+                     value=dump_record(decision("in-flight")))  # fmt: skip
+        decider.flush()  # in the partition, its transaction open
+        own_broker.stop(keep_data=True)
+        committing = threading.Thread(target=commit, daemon=True)
+        committing.start()
+        own_broker.start()
+        committing.join(WAIT_S)
+        assert not committing.is_alive(), "the commit hung past its bound"
+    finally:
+        _close_at_once(decider)
+    with open_log(url) as log:
+        log.fence("job")
+        log.append(Stream.DECISIONS, decision("after"))
+        ids = [e.record.record_id for e in log.read(Stream.DECISIONS, "job") if e.record]
+    assert ids in (["after"], ["in-flight", "after"])

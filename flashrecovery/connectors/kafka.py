@@ -226,6 +226,32 @@ def _bump_epoch_on_reset(producer: KafkaProducer) -> None:
     manager.reset_producer_id = bump_instead
 
 
+def _commit_within(decider: KafkaProducer, bound_s: float) -> None:
+    """Commit the open transaction, or raise KafkaTimeoutError after ``bound_s``.
+
+    kafka-python (3.0.12) waits for a commit without a bound, and a commit in flight when
+    its transaction coordinator restarts is never answered: the engine's thread would hang
+    for good (a CI run's job, stopped by its harness, never recovered after a broker
+    restart). Its own ``commit_transaction`` is ``begin_commit``, wake the sender, wait;
+    this is the same with a bound. Private: kafka-python offers no public way."""
+    result = decider._transaction_manager.begin_commit()
+    decider._sender.wakeup()
+    if not result.wait(timeout_ms=int(bound_s * 1000)):
+        raise KafkaTimeoutError(f"the transaction's commit was not answered within {bound_s} s")
+
+
+def _close_at_once(producer: KafkaProducer) -> None:
+    """Close without waiting, giving up what is unsent. kafka-python's ``close(timeout=0)``
+    flushes first and raises KafkaTimeoutError while a batch is unanswered (its broker gone
+    mid-transaction), leaving the producer open and its thread running. Private: kafka-python
+    offers no public way."""
+    try:
+        producer.close(timeout=0)
+    except KafkaTimeoutError:
+        producer._accumulator.abort_incomplete_batches()
+        producer.close(timeout=0)
+
+
 @contextlib.contextmanager
 def _failing_as_log_error(what: str, bootstrap: str) -> Iterator[None]:
     try:
@@ -394,7 +420,7 @@ class KafkaLog(LogConnector):
             try:
                 decider.init_transactions()  # aborts the transaction a predecessor left open
             except BaseException:
-                decider.close(timeout=0)
+                _close_at_once(decider)
                 raise
         self._deciders[job_id] = decider
 
@@ -416,7 +442,7 @@ class KafkaLog(LogConnector):
                 )
                 for raw in raws
             ]
-            decider.commit_transaction()
+            _commit_within(decider, self.settings.timeout_s)
             return [int(future.get(timeout=self.settings.timeout_s).offset) for future in futures]
         except KafkaError as exc:
             self._drop_decider(job_id)
@@ -429,7 +455,7 @@ class KafkaLog(LogConnector):
     def _drop_decider(self, job_id: str) -> None:
         decider = self._deciders.pop(job_id, None)
         if decider is not None:
-            decider.close(timeout=0)
+            _close_at_once(decider)
 
     def _settled(self, futures: list[Any]) -> list[int]:
         """Each send's offset once the producer settled it (raises if it gave one up)."""
