@@ -28,7 +28,7 @@ def test_a_torchrun_command_line_means_what_it_means_to_torchrun() -> None:
     args, notes = parsed(
         "--nproc_per_node", "2", "--nnodes", "2:3", "--node_rank", "0", "--max_restarts", "5",
         "--rdzv_id", "run-7", "--rdzv_backend", "c10d", "--rdzv_endpoint", "127.0.0.1:29400",
-        "--rdzv_conf", "join_timeout=600",
+        "--rdzv_conf", "join_timeout=600", "--run_path",
     )  # fmt: skip
     assert (args.nproc_per_node, args.nnodes, args.spare_nodes) == (2, 2, 1)
     assert (args.node_rank, args.max_replacements, args.job_id) == (0, 5, "run-7")

@@ -7,7 +7,8 @@ takes ``auto``/``cpu``/``gpu``; ``--nnodes MIN:MAX`` trains on MIN nodes and kee
 as whole nodes of hot spares (a job's world never shrinks here: a spare takes a lost node's
 place); ``--master-addr``/``--master-port`` name the rendezvous endpoint as
 ``--rdzv-endpoint`` does; ``--standalone``, ``--rdzv-backend c10d|static`` and
-``--rdzv-conf`` are accepted where they mean what flashrecovery does anyway.
+``--rdzv-conf`` are accepted where they mean what flashrecovery does anyway, and ``--run-path``
+is what it always does (the script runs through ``runpy.run_path`` in the rank's interpreter).
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ def add_arguments(add: Add) -> None:
         help="torchrun's: c10d or static (the agents meet on node 0's store either way)",
     )
     add("--rdzv-conf", default=None, metavar="K=V,…", help="torchrun's: not used")
+    add(
+        "--run-path",
+        action="store_true",
+        help="torchrun's: the script runs by runpy.run_path in the rank's interpreter (always)",
+    )
 
 
 def nproc(text: str) -> int:
