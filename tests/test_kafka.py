@@ -20,11 +20,13 @@ import pytest
 from kafka import KafkaProducer, TopicPartition
 from kafka.admin import KafkaAdminClient
 from kafka.errors import KafkaError, KafkaTimeoutError, UnknownBrokerIdError
+from kafka.future import Future as KafkaFuture
 from kafka_fixture import INDEPENDENT_CLIENTS, fresh_prefix, kafka_url, read_topic
 from structlog.testing import capture_logs
 
 from flashrecovery.cli import main
 from flashrecovery.connectors import LogConnector, open_log
+from flashrecovery.connectors import kafka as kafka_connector
 from flashrecovery.connectors.follow import append_many_through_outage
 from flashrecovery.connectors.kafka import (
     KafkaLog,
@@ -226,7 +228,9 @@ def test_a_writer_whose_batch_expired_in_flight_goes_on_writing(own_broker: Kafk
     assert steps in ([0, 2], [0, 1, 2])
 
 
-def test_an_end_lookup_on_metadata_naming_a_broker_gone_asks_again() -> None:
+def test_an_end_lookup_on_metadata_naming_a_broker_gone_asks_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A killed broker dropped from the cluster's metadata while the partition's cached
     leader still names it: kafka-python raises UnknownBrokerIdError at once, and never asks
     again by itself for minutes (a nemesis run's agent read nothing for 50 s and its ranks
@@ -249,6 +253,7 @@ def test_an_end_lookup_on_metadata_naming_a_broker_gone_asks_again() -> None:
                 raise UnknownBrokerIdError(1)
             return dict.fromkeys(partitions, 7)
 
+    monkeypatch.setattr(kafka_connector, "_ask_end_offsets", Consumer.end_offsets)
     tp = TopicPartition("t.events", 0)
     consumer = Consumer()
     assert KafkaLog._end_offsets(consumer, [tp], WAIT_S) == {tp: 7}  # type: ignore[arg-type]
@@ -256,6 +261,40 @@ def test_an_end_lookup_on_metadata_naming_a_broker_gone_asks_again() -> None:
     consumer.failures = 1000
     with pytest.raises(UnknownBrokerIdError):  # its bound still holds
         KafkaLog._end_offsets(consumer, [tp], 1.5)  # type: ignore[arg-type]
+
+
+def test_a_reader_whose_end_lookup_never_ends_fails_within_its_bound_then_reads_on(
+    kafka_bootstrap: str,
+) -> None:
+    """kafka-python's end lookup now and then never ends, not even by its own timeout (a
+    standby engine read nothing for a minute and its job failed). Here it is made never to end
+    on a real broker: the read fails as a LogError within the bound, and the next read, on a
+    new consumer, finds the record."""
+    url = kafka_url(kafka_bootstrap, timeout_s=2)
+    outcome: dict[str, Any] = {}
+
+    def read_twice() -> None:
+        with open_log(url) as log:
+            log.append(Stream.EVENTS, heartbeat("job", 0))
+            stuck = log._consumer  # type: ignore[attr-defined]
+
+            async def never(*_: object) -> None:
+                await KafkaFuture()  # nobody ever completes it
+
+            stuck._fetcher._fetch_offsets_by_times_async = never
+            began = time.monotonic()
+            try:
+                log.read(Stream.EVENTS, "job")
+            except LogError as exc:
+                outcome["error"], outcome["took_s"] = str(exc), time.monotonic() - began
+            outcome["read"] = [e.record for e in log.read(Stream.EVENTS, "job")]
+
+    reader = threading.Thread(target=read_twice, daemon=True)
+    reader.start()
+    reader.join(30)
+    assert not reader.is_alive(), "the read hung past its bound"
+    assert "did not end" in outcome["error"] and outcome["took_s"] < 2 + 2 + 1
+    assert [r.step for r in outcome["read"]] == [0]
 
 
 def test_a_log_closed_with_records_it_could_not_store_says_so_and_does_not_raise() -> None:

@@ -31,6 +31,7 @@ from kafka.errors import (
     UnknownBrokerIdError,
 )
 from kafka.partitioner.default import murmur2
+from kafka.protocol.consumer.offsets import OffsetSpec
 
 from flashrecovery.connectors.base import Entry, LogConnector
 from flashrecovery.errors import LogError
@@ -56,6 +57,8 @@ END_LOOKUP_S = 3.0
 # the previous one (kafka-python's 100 ms made each decision cost ~120 ms; this, ~15 ms).
 DECIDER_RETRY_BACKOFF_MS = 5
 METADATA_WAIT_S = 0.1  # between two lookups the stale metadata failed at once
+# An end lookup not over this long after its own timeout never will be: its consumer is given up.
+STUCK_GRACE_S = 2.0
 PRODUCER_LINGER_MS = 5
 PRODUCER_BATCH_BYTES = 512 * 1024
 CONSUMER_POLL_RECORDS = 5000
@@ -240,6 +243,43 @@ def _commit_within(decider: KafkaProducer, bound_s: float) -> None:
         raise KafkaTimeoutError(f"the transaction's commit was not answered within {bound_s} s")
 
 
+class ConsumerStuck(KafkaTimeoutError):
+    """A consumer's request did not end, not even by its own timeout: the consumer is given
+    up and the next read makes a new one."""
+
+
+def _ask_end_offsets(
+    consumer: KafkaConsumer, partitions: list[TopicPartition], timeout_ms: int
+) -> dict[TopicPartition, int]:
+    """``consumer.end_offsets(partitions, timeout_ms)``, waited for at most STUCK_GRACE_S past
+    its own timeout, else ConsumerStuck. kafka-python (3.0.12) runs the lookup on its IO thread
+    and waits for it with no bound, and now and then it never ends (a standby engine read
+    nothing for a minute, its job failed with the incident open: py-spy found it waiting in
+    ``end_offsets`` with a 1 s timeout). This is the same coroutine, handed to the same IO
+    thread as its own ``NetworkSelector.run`` does, with a bounded wait. Private: kafka-python
+    offers no public way."""
+    fetcher = consumer._fetcher
+    ended = threading.Event()
+    outcome: dict[str, Any] = {}
+
+    async def ask() -> None:
+        try:
+            outcome["offsets"] = await fetcher._fetch_offsets_by_times_async(
+                dict.fromkeys(partitions, OffsetSpec.LATEST), timeout_ms
+            )
+        except BaseException as exc:  # handed to the asking thread, raised there
+            outcome["error"] = exc
+        finally:
+            ended.set()
+
+    fetcher._net.call_soon_threadsafe(ask)
+    if not ended.wait(timeout_ms / 1000 + STUCK_GRACE_S):
+        raise ConsumerStuck(f"an end lookup did not end within {timeout_ms} ms")
+    if "error" in outcome:
+        raise outcome["error"]
+    return {tp: found.offset for tp, found in outcome["offsets"].items()}
+
+
 def _close_at_once(producer: KafkaProducer) -> None:
     """Close without waiting, giving up what is unsent. kafka-python's ``close(timeout=0)``
     flushes first and raises KafkaTimeoutError while a batch is unanswered (its broker gone
@@ -350,6 +390,17 @@ class KafkaLog(LogConnector):
             with self._consumers_lock:
                 self._consumers.append(consumer)
         return consumer
+
+    def _give_up_consumer(self, consumer: KafkaConsumer) -> None:
+        """This thread's consumer is stuck: the next read makes a new one. The old one is
+        closed on a thread of its own (closing fails the requests it left hanging), so that
+        what ends the stuck request cannot hold this thread up."""
+        self._local.consumer = None
+        with self._consumers_lock:
+            self._consumers.remove(consumer)
+        threading.Thread(
+            target=consumer.close, kwargs={"timeout_ms": 0}, name="stuck-consumer", daemon=True
+        ).start()
 
     @property
     def write_hold_s(self) -> float:
@@ -582,7 +633,11 @@ class KafkaLog(LogConnector):
         consumer = self._consumer
         if consumer.assignment() != set(starts):
             consumer.assign(list(starts))
-        ends = self._end_offsets(consumer, list(starts), bound_s)
+        try:
+            ends = self._end_offsets(consumer, list(starts), bound_s)
+        except ConsumerStuck:
+            self._give_up_consumer(consumer)
+            raise
         for tp, start in starts.items():
             # Re-seeking drops the fetch in flight: a follower that continues where it stopped
             # would then wait out the broker's fetch_max_wait_ms.
@@ -628,12 +683,11 @@ class KafkaLog(LogConnector):
         while True:
             left_s = deadline - time.monotonic()
             try:
-                ends: dict[TopicPartition, int] = consumer.end_offsets(
-                    partitions, max(1, int(min(LEADER_ASK_S, left_s) * 1000))
+                return _ask_end_offsets(
+                    consumer, partitions, max(1, int(min(LEADER_ASK_S, left_s) * 1000))
                 )
-                return ends
             except (KafkaTimeoutError, UnknownBrokerIdError) as exc:
-                if left_s <= LEADER_ASK_S:
+                if left_s <= LEADER_ASK_S or isinstance(exc, ConsumerStuck):
                     raise
                 consumer._client.cluster.request_update()  # private: no public way to ask
                 if isinstance(exc, UnknownBrokerIdError):  # raised at once: let the answer come

@@ -91,16 +91,20 @@ ENGINE = [sys.executable, "-m", "flashrecovery.cli", "engine", "--lease-ttl", "1
 
 
 @contextlib.contextmanager
-def engine_services(log_url: str) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
-    """Two `flashrecovery engine` services, "a" and "b", sharing the job; ended on the way out."""
-    engines = {
-        name: subprocess.Popen(
-            [*ENGINE, "--log", log_url, "--job", "live", "--engine-id", name],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        for name in ("a", "b")
-    }
+def engine_services(log_url: str, out: Path) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
+    """Two `flashrecovery engine` services, "a" and "b", sharing the job; ended on the way out.
+    What each says goes to ``out/engine-<name>.log`` and to the test's captured output (shown
+    when it fails)."""
+    logs = {name: out / f"engine-{name}.log" for name in ("a", "b")}
+    engines = {}
+    for name, path in logs.items():
+        with path.open("wb") as sink:
+            engines[name] = subprocess.Popen(
+                [*ENGINE, "--log", log_url, "--job", "live", "--engine-id", name],
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "FLASHRECOVERY_LOG_LEVEL": "info"},
+            )
     try:
         yield engines
     finally:
@@ -108,6 +112,8 @@ def engine_services(log_url: str) -> Iterator[dict[str, subprocess.Popen[bytes]]
             if proc.poll() is None:
                 proc.kill()
             proc.wait(timeout=30)
+        for name, path in logs.items():
+            print(f"--- engine {name} said:\n{path.read_text(errors='replace')[-4000:]}")
 
 
 def _alive(pid: int) -> bool:

@@ -92,7 +92,7 @@ def test_engine_failover_while_a_live_job_recovers(
                     kill_times["rank"] = time.time()
 
     killer = threading.Thread(target=kill_the_lease_holder_then_rank_1, daemon=True)
-    with engine_services(kafka_log_url) as engines:
+    with engine_services(kafka_log_url, tmp_path) as engines:
         killer.start()
         job = run_job(
             tmp_path, spares=1, log_url=kafka_log_url, external_engine=True, step_time_s=0.1

@@ -39,7 +39,7 @@ def test_engine_killed_mid_incident_the_standby_finishes_it(
         killed[holder] = time.time()
         return True
 
-    with engine_services(kafka_log_url) as engines:
+    with engine_services(kafka_log_url, tmp_path) as engines:
         job = run_job(
             tmp_path,
             spares=0,
