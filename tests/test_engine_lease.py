@@ -6,6 +6,7 @@ from flashrecovery.connectors.base import Entry
 from flashrecovery.connectors.memory import MemoryLog
 from flashrecovery.engine.lease import LeaseBook
 from flashrecovery.engine.loop import EngineLoop
+from flashrecovery.errors import LogError
 from flashrecovery.records import AgentExited, Decision, EngineLease, Envelope, NodeMissed, Stream
 from flashrecovery.replay.replayer import replay_job
 from flashrecovery.testing.simworld import SimulatedWorld, scripted_failure
@@ -119,6 +120,47 @@ def test_standby_takes_over_mid_incident_without_duplicates() -> None:
     assert log.calls == ["fence", "then read 0", "fence", "then read 3"]  # each, before deciding
     assert essentials(log) == essentials(reference)
     assert replay_job(log, JOB).ok
+
+
+class OnceAwayLog(FencingLog):
+    """Its events cannot be read once (the broker went away), then they can."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.away = False
+
+    def follow(
+        self,
+        stream: Stream,
+        job_id: str,
+        from_position: int,
+        timeout: float,
+        *,
+        wake_on_routine: bool = True,
+    ) -> list[Entry]:
+        if self.away:
+            self.away = False
+            raise LogError("the broker went away")
+        return super().follow(stream, job_id, from_position, timeout)
+
+
+def test_after_the_log_was_away_the_leader_fences_again_before_it_decides() -> None:
+    """Decisions acknowledged as the broker went away were found left open after it came back
+    (no reader saw them, the job hung): the leader settles them by fencing again, and reads
+    what was decided, before it writes another decision."""
+    log = OnceAwayLog()
+    world = SimulatedWorld(JOB)
+    engine = EngineLoop(log, JOB, clock=lambda: world.clock, lease_ttl_s=TTL, engine_id="e")
+    append_all(log, [*world.start(), *world.train(3), world.kill(2)])
+    engine.step(0)  # claims the lease
+    engine.step(0)  # decides
+    written = [e.record for e in log.read(Stream.DECISIONS, JOB)]
+    assert types(written) == ["isolate_rank", "assign_spare", "regroup_planned"]  # type: ignore[arg-type]
+    append_all(log, [r for d in written for r in world.react(d)])  # type: ignore[arg-type]
+    log.away = True
+    engine.step(0)  # the read fails
+    engine.step(0)  # the next succeeds
+    assert log.calls == ["fence", "then read 0", "fence", "then read 3"]
 
 
 def node_lease(engine: str, node: int, ts: float) -> EngineLease:

@@ -31,7 +31,6 @@ from kafka.errors import (
     UnknownBrokerIdError,
 )
 from kafka.partitioner.default import murmur2
-from kafka.protocol.consumer.offsets import OffsetSpec
 
 from flashrecovery.connectors.base import Entry, LogConnector
 from flashrecovery.errors import LogError
@@ -57,7 +56,8 @@ END_LOOKUP_S = 3.0
 # the previous one (kafka-python's 100 ms made each decision cost ~120 ms; this, ~15 ms).
 DECIDER_RETRY_BACKOFF_MS = 5
 METADATA_WAIT_S = 0.1  # between two lookups the stale metadata failed at once
-# An end lookup not over this long after its own timeout never will be: its consumer is given up.
+# A consumer's request not over this long after the longest a read asks for never will be: the
+# consumer is given up.
 STUCK_GRACE_S = 2.0
 PRODUCER_LINGER_MS = 5
 PRODUCER_BATCH_BYTES = 512 * 1024
@@ -248,36 +248,40 @@ class ConsumerStuck(KafkaTimeoutError):
     up and the next read makes a new one."""
 
 
-def _ask_end_offsets(
-    consumer: KafkaConsumer, partitions: list[TopicPartition], timeout_ms: int
-) -> dict[TopicPartition, int]:
-    """``consumer.end_offsets(partitions, timeout_ms)``, waited for at most STUCK_GRACE_S past
-    its own timeout, else ConsumerStuck. kafka-python (3.0.12) runs the lookup on its IO thread
-    and waits for it with no bound, and now and then it never ends (a standby engine read
-    nothing for a minute, its job failed with the incident open: py-spy found it waiting in
-    ``end_offsets`` with a 1 s timeout). This is the same coroutine, handed to the same IO
-    thread as its own ``NetworkSelector.run`` does, with a bounded wait. Private: kafka-python
-    offers no public way."""
-    fetcher = consumer._fetcher
-    ended = threading.Event()
-    outcome: dict[str, Any] = {}
+def _bound_waits(consumer: KafkaConsumer, bound_s: float) -> None:
+    """Make every wait of a caller's thread on ``consumer``'s IO thread end within ``bound_s``
+    (then ConsumerStuck). kafka-python (3.0.12) hands each request to its IO thread and waits
+    for it with no bound, and now and then the request never ends, not even by its own
+    timeout: a standby engine waited in an end lookup with a 1 s timeout for over a minute;
+    after a broker restart, an agent's engine and the test's reader waited in ``poll`` with
+    the IO thread idle until their job was stopped. The wait here is the same hand-off as
+    kafka-python's ``NetworkSelector.run`` (the request runs on the IO thread; the caller waits
+    for an event) with a bound. Private: kafka-python offers no public way."""
+    net = consumer._net
+    unbounded = net.run
 
-    async def ask() -> None:
-        try:
-            outcome["offsets"] = await fetcher._fetch_offsets_by_times_async(
-                dict.fromkeys(partitions, OffsetSpec.LATEST), timeout_ms
-            )
-        except BaseException as exc:  # handed to the asking thread, raised there
-            outcome["error"] = exc
-        finally:
-            ended.set()
+    def run(coro: Any, *args: Any) -> Any:
+        if net._io_thread is None or threading.current_thread() is net._io_thread:
+            return unbounded(coro, *args)  # no hand-off to wait for (or kafka-python's error)
+        ended = threading.Event()
+        outcome: dict[str, Any] = {}
 
-    fetcher._net.call_soon_threadsafe(ask)
-    if not ended.wait(timeout_ms / 1000 + STUCK_GRACE_S):
-        raise ConsumerStuck(f"an end lookup did not end within {timeout_ms} ms")
-    if "error" in outcome:
-        raise outcome["error"]
-    return {tp: found.offset for tp, found in outcome["offsets"].items()}
+        async def request() -> None:
+            try:
+                outcome["value"] = await net._invoke(coro, *args)
+            except BaseException as exc:  # handed to the waiting thread, raised there
+                outcome["error"] = exc
+            finally:
+                ended.set()
+
+        net.call_soon_threadsafe(request)
+        if not ended.wait(bound_s):
+            raise ConsumerStuck(f"a request to Kafka did not end within {bound_s} s")
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
+
+    net.run = run
 
 
 def _close_at_once(producer: KafkaProducer) -> None:
@@ -386,16 +390,19 @@ class KafkaLog(LogConnector):
         consumer: KafkaConsumer | None = getattr(self._local, "consumer", None)
         if consumer is None:
             consumer = self.settings.connect("consumer")
+            _bound_waits(consumer, self.settings.timeout_s + STUCK_GRACE_S)
             self._local.consumer = consumer
             with self._consumers_lock:
                 self._consumers.append(consumer)
         return consumer
 
-    def _give_up_consumer(self, consumer: KafkaConsumer) -> None:
+    def _give_up_consumer(self) -> None:
         """This thread's consumer is stuck: the next read makes a new one. The old one is
         closed on a thread of its own (closing fails the requests it left hanging), so that
         what ends the stuck request cannot hold this thread up."""
-        self._local.consumer = None
+        consumer, self._local.consumer = getattr(self._local, "consumer", None), None
+        if consumer is None:
+            return
         with self._consumers_lock:
             self._consumers.remove(consumer)
         threading.Thread(
@@ -413,8 +420,14 @@ class KafkaLog(LogConnector):
     def from_url(cls, url: str, *, read_only: bool = False) -> KafkaLog:
         return cls(url, KafkaSettings.parse(url), read_only=read_only)
 
-    def _failing(self, what: str) -> contextlib.AbstractContextManager[None]:
-        return _failing_as_log_error(what, self.settings.bootstrap)
+    @contextlib.contextmanager
+    def _failing(self, what: str) -> Iterator[None]:
+        with _failing_as_log_error(what, self.settings.bootstrap):
+            try:
+                yield
+            except ConsumerStuck:
+                self._give_up_consumer()
+                raise
 
     def _job_partition(self, topic: str, key: bytes) -> TopicPartition:
         return TopicPartition(topic, self._partition(topic, key))
@@ -536,7 +549,9 @@ class KafkaLog(LogConnector):
                 bytes(rec.value): rec.offset
                 for rec in self._records({tp: since}, key, time.monotonic(), END_LOOKUP_S)
             }
-        except (KafkaError, LogError):
+        except (KafkaError, LogError) as exc:
+            if isinstance(exc, ConsumerStuck):
+                self._give_up_consumer()
             raise failure from None
         stored = [held[raw] for raw in itertools.takewhile(held.__contains__, raws)]
         if not stored:
@@ -633,11 +648,7 @@ class KafkaLog(LogConnector):
         consumer = self._consumer
         if consumer.assignment() != set(starts):
             consumer.assign(list(starts))
-        try:
-            ends = self._end_offsets(consumer, list(starts), bound_s)
-        except ConsumerStuck:
-            self._give_up_consumer(consumer)
-            raise
+        ends = self._end_offsets(consumer, list(starts), bound_s)
         for tp, start in starts.items():
             # Re-seeking drops the fetch in flight: a follower that continues where it stopped
             # would then wait out the broker's fetch_max_wait_ms.
@@ -660,8 +671,10 @@ class KafkaLog(LogConnector):
                 # and blocks the next fetch there: ask who leads now, the fetch goes to them.
                 consumer._client.cluster.request_update()  # private: no public way to ask
                 asked_at = now
-            budget = (
-                min(bound_s - (now - progress_at), LEADER_ASK_S) if behind else wait_until - now
+            # At most LEADER_ASK_S a poll (the loop polls again): a wait longer than a
+            # consumer's bound on its requests would be taken for a stuck consumer.
+            budget = min(
+                bound_s - (now - progress_at) if behind else wait_until - now, LEADER_ASK_S
             )
             for tp, records in consumer.poll(timeout_ms=max(1, int(budget * 1000))).items():
                 progress_at = asked_at = time.monotonic()
@@ -683,9 +696,10 @@ class KafkaLog(LogConnector):
         while True:
             left_s = deadline - time.monotonic()
             try:
-                return _ask_end_offsets(
-                    consumer, partitions, max(1, int(min(LEADER_ASK_S, left_s) * 1000))
+                ends: dict[TopicPartition, int] = consumer.end_offsets(
+                    partitions, max(1, int(min(LEADER_ASK_S, left_s) * 1000))
                 )
+                return ends
             except (KafkaTimeoutError, UnknownBrokerIdError) as exc:
                 if left_s <= LEADER_ASK_S or isinstance(exc, ConsumerStuck):
                     raise

@@ -204,6 +204,12 @@ class EngineLoop:
         if not entries:
             self._flush()  # a standby whose predecessor's lease just ran out takes over here
         away = self._log_away or self._events.last_error is not failed_before
+        if away:
+            # What was decided just before is in doubt too: a decisions transaction the log
+            # acknowledged as the broker went away was seen left open after it came back
+            # (neither committed nor aborted: no reader saw it, the job hung). The next flush
+            # fences again, which settles it, and reads what was decided.
+            self._leading = False
         if away or self.clock() - began > timeout + LOG_STALL_S or self._log_quiet():
             # The log was away (an error, it held this step up, or no node is heard): the
             # beats meanwhile may be lost or late, so silence is judged afresh, a silence
