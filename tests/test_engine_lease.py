@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from flashrecovery.connectors.base import Entry
 from flashrecovery.connectors.memory import MemoryLog
 from flashrecovery.engine.lease import LeaseBook
@@ -129,19 +131,11 @@ class OnceAwayLog(FencingLog):
         super().__init__()
         self.away = False
 
-    def follow(
-        self,
-        stream: Stream,
-        job_id: str,
-        from_position: int,
-        timeout: float,
-        *,
-        wake_on_routine: bool = True,
-    ) -> list[Entry]:
+    def follow(self, *args: Any, **kwargs: Any) -> list[Entry]:
         if self.away:
             self.away = False
             raise LogError("the broker went away")
-        return super().follow(stream, job_id, from_position, timeout)
+        return super().follow(*args, **kwargs)
 
 
 def test_after_the_log_was_away_the_leader_fences_again_before_it_decides() -> None:
