@@ -243,7 +243,7 @@ def _commit_within(decider: KafkaProducer, bound_s: float) -> None:
         raise KafkaTimeoutError(f"the transaction's commit was not answered within {bound_s} s")
 
 
-class ConsumerStuck(KafkaTimeoutError):
+class ConsumerStuck(KafkaError):
     """A consumer's request did not end, not even by its own timeout: the consumer is given
     up and the next read makes a new one."""
 
@@ -545,13 +545,12 @@ class KafkaLog(LogConnector):
         caller's retry, it would be stored twice. Its part that is missing is sent again now;
         raises the producer's error when the partition holds none of it, or cannot say."""
         try:
-            held = {
-                bytes(rec.value): rec.offset
-                for rec in self._records({tp: since}, key, time.monotonic(), END_LOOKUP_S)
-            }
-        except (KafkaError, LogError) as exc:
-            if isinstance(exc, ConsumerStuck):
-                self._give_up_consumer()
+            with self._failing("looking for an append given up on"):
+                held = {
+                    bytes(rec.value): rec.offset
+                    for rec in self._records({tp: since}, key, time.monotonic(), END_LOOKUP_S)
+                }
+        except LogError:
             raise failure from None
         stored = [held[raw] for raw in itertools.takewhile(held.__contains__, raws)]
         if not stored:
@@ -701,7 +700,7 @@ class KafkaLog(LogConnector):
                 )
                 return ends
             except (KafkaTimeoutError, UnknownBrokerIdError) as exc:
-                if left_s <= LEADER_ASK_S or isinstance(exc, ConsumerStuck):
+                if left_s <= LEADER_ASK_S:
                     raise
                 consumer._client.cluster.request_update()  # private: no public way to ask
                 if isinstance(exc, UnknownBrokerIdError):  # raised at once: let the answer come
