@@ -68,6 +68,31 @@ def test_file_is_created_with_parents_in_wal_mode(tmp_path: Path) -> None:
         db.close()
 
 
+def test_a_routine_batch_is_fsynced_only_once_the_last_fsync_is_old(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent's step records (routine) ride on the next fsync; every other commit fsyncs."""
+    with EmbeddedLog.from_url(f"sqlite://{tmp_path}/run.db") as log:
+
+        def last_commit_fsynced() -> bool:
+            with log._db() as own:
+                return bool(own.execute("PRAGMA synchronous").fetchone()[0] == 2)
+
+        log.append(Stream.EVENTS, heartbeat(0))
+        assert last_commit_fsynced()
+        log.append_many(Stream.EVENTS, [heartbeat(1), heartbeat(2)], routine=True)
+        assert not last_commit_fsynced()
+        log.append_many(Stream.EVENTS, [heartbeat(3)], routine=True)
+        assert not last_commit_fsynced()
+        log.append(Stream.EVENTS, heartbeat(4))
+        assert last_commit_fsynced()
+        monkeypatch.setattr(embedded, "ROUTINE_SYNC_S", 0.0)  # the last fsync is old at once
+        log.append_many(Stream.EVENTS, [heartbeat(5)], routine=True)
+        assert last_commit_fsynced()
+        steps = [e.record.step for e in log.read(Stream.EVENTS, "job")]
+        assert steps == [0, 1, 2, 3, 4, 5]
+
+
 def _open_and_append(url: str, start: Barrier, step: int) -> None:
     start.wait(30)
     with open_log(url) as log:
