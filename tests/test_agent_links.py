@@ -10,13 +10,14 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from flashrecovery.agent.links import ProcessLinks
+from flashrecovery.agent.links import NICE, ProcessLinks
 from flashrecovery.agent.nodedir import NodeDir, remove_stale
 from flashrecovery.connectors import LogConnector, commit_signal, open_log
 from flashrecovery.records import CollectiveError, RegroupPlanned, StepCompleted, Stream
@@ -85,6 +86,30 @@ def test_records_handed_over_are_written_in_batches_in_order_and_acknowledged(
     for rank in range(4):  # each process's records in the order it handed them over
         assert [s for r, s in written if r == rank] == list(range(5))
     assert links.batches < len(written)  # a step's records of several ranks in one write
+
+
+def test_the_record_threads_yield_to_the_ranks_the_callers_thread_keeps_its_priority(
+    links: ProcessLinks, log: LogConnector
+) -> None:
+    rank = AgentLink(links.path)
+    try:
+        assert rank.wait_logged(rank.hand(step(0, 0)), WAIT_S, lambda: False)  # reader started
+        nice = {
+            thread.name: os.getpriority(os.PRIO_PROCESS, thread.native_id)
+            for thread in threading.enumerate()
+            if thread.native_id is not None
+        }
+    finally:
+        rank.close()
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    record_threads = {
+        name: value
+        for name, value in nice.items()
+        if name.startswith(("link-accept", "link-writer", "link-in-"))
+    }
+    assert {"link-accept", "link-writer", f"link-in-{os.getpid()}"} <= set(record_threads)
+    assert set(record_threads.values()) == {min(own + NICE, 19)}
+    assert nice["MainThread"] == own
 
 
 def test_steps_alone_are_routine_anything_else_rings_the_urgent_signal(
