@@ -13,8 +13,9 @@ network did, over each run's whole log: every decision written by an engine hold
 (one engine decides), no step committed by two generations, nothing believed that a node wrote
 after it was given up. JSON goes to bench/results/nemesis.json, a table to the terminal, RTO
 per kind to bench/results/nemesis.png. Needs root: where network namespaces cannot be made it
-says why and writes nothing. Steps are paced to 0.25 s (``--min-step-s``), the pace such a
-job keeps anyway. ``--quick`` (one run of one degraded link) is what CI runs.
+says why and writes nothing. Steps are paced to 0.25 s (``--min-step-s``; chaos's default with
+``--netns``), the pace such a job keeps anyway. ``--quick`` (one run of one degraded link) is
+what CI runs.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from bench.lib.results import machine, write_json
 from bench.soak import add_arguments, plot, pool, run_all, show
 from flashrecovery.agent import netns
 from flashrecovery.agent.launcher import one_of
+from flashrecovery.chaos.cli import NETNS_STEP_S
 from flashrecovery.records import StragglerPolicy
 
 KINDS = (
@@ -36,10 +38,6 @@ KINDS = (
     "broker_partition,node_kill_leader_cut"
 )
 QUICK_KINDS = "degraded"  # the straggler policy's default (report) in a live run
-# A step on netns nodes with the log on a 3-broker cluster takes about this long: paced to it,
-# a run's steps (its faults' seconds over the pace) are no more than the faults need; a
-# faster pace only makes more steps (and a longer fault-free reference), not faster ones.
-MIN_STEP_S = 0.25
 SPLIT_BRAIN = ("unleased_deciders", "double_commits", "believed_from_lost_nodes")
 
 
@@ -54,7 +52,7 @@ def split_brain(runs: list[dict[str, Any]]) -> dict[str, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser, faults=50, per_run=5)
-    parser.set_defaults(min_step_s=MIN_STEP_S)
+    parser.set_defaults(min_step_s=NETNS_STEP_S)  # chaos's pace on netns nodes
     parser.add_argument("--nodes", type=int, default=3)
     parser.add_argument("--kinds", default=KINDS, help=f"default: {KINDS}")
     parser.add_argument("--straggler-policy", **one_of(StragglerPolicy.REPORT))

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from factories import JOB, T0, TYPES_BY_NAME, make
 
-from flashrecovery.chaos.cli import Plan, add_arguments
+from flashrecovery.chaos.cli import MIN_STEP_S, NETNS_STEP_S, Plan, add_arguments
 from flashrecovery.chaos.schedule import NODE_LOST, TWO_FAILURES, available_kinds, draw
 from flashrecovery.chaos.verdict import Sent, judge, spare_outcome, straggler_outcome
 from flashrecovery.connectors.memory import MemoryLog
@@ -131,6 +131,22 @@ def test_an_outside_kill_stops_waiting_for_a_spare_before_the_next_fault() -> No
     plan = Plan.from_args(args)
     steps = [f.step for f in plan.faults]
     assert [k.spare_wait_until for k in plan.kills] == [s - 2 for s in steps[1:]] + [None]
+
+
+@pytest.mark.parametrize(
+    ("argv", "pace"),
+    [
+        ([], MIN_STEP_S),
+        (["--nodes", "3", "--netns"], NETNS_STEP_S),  # the pace a step keeps there anyway
+        (["--nodes", "3", "--netns", "--min-step-s", "0.05"], 0.05),
+    ],
+)
+def test_steps_are_paced_to_what_the_job_keeps_unless_told(argv: list[str], pace: float) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--faults", "1", "--seed", "0", *argv])
+    Plan.from_args(args)
+    assert args.min_step_s == pace
 
 
 def test_faults_come_one_at_a_time_a_kill_waits_for_the_link_before_it_to_heal() -> None:

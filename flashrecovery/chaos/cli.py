@@ -52,6 +52,11 @@ from flashrecovery.trainer_hooks import final_state
 FIRST_STEP = 4  # the first fault's step: the spares have had time to warm up
 LEFT_GRACE_S = 10.0  # an orphan ends itself within a second of its agent; give it this long
 ENGINE_LEASE_TTL_S = 1.0
+MIN_STEP_S = 0.1  # a demo step's wall time at least, so the faults meet steps in flight
+# A step on netns nodes with the log on a 3-broker cluster takes about this long: paced to it,
+# a run's steps (its faults' seconds over the pace) are no more than the faults need; a
+# faster pace only makes more steps (and a longer fault-free reference), not faster ones.
+NETNS_STEP_S = 0.25
 ENGINE = [sys.executable, "-m", "flashrecovery.cli", "engine"]
 
 
@@ -116,8 +121,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--min-step-s",
         type=float,
-        default=0.1,
-        help="pad each demo step to this wall time (default 0.1)",
+        help=f"pad each demo step to this wall time (default {MIN_STEP_S}, with --netns "
+        f"{NETNS_STEP_S}: the pace a step keeps there anyway)",
     )
     parser.add_argument("--run-dir", type=Path, help="default: runs/chaos-<time>")
     parser.add_argument("--timeout", type=float, default=600.0, help="per run, seconds")
@@ -141,6 +146,8 @@ class Plan:
             args.spares = 2 if args.nodes == 1 else 1
         if args.faults < 0 or args.nproc < 2 or args.spares < 0 or args.gap < 3:
             raise ValueError("--faults >= 0, --nproc >= 2, --spares >= 0 and --gap >= 3")
+        if args.min_step_s is None:
+            args.min_step_s = NETNS_STEP_S if args.netns else MIN_STEP_S
         if args.min_step_s <= 0:
             raise ValueError(f"--min-step-s {args.min_step_s}: must be > 0 (it paces the faults)")
         if args.nodes < 1 or args.nproc % args.nodes:

@@ -21,7 +21,6 @@ from typing import Any
 
 import pytest
 
-from bench.nemesis import MIN_STEP_S
 from flashrecovery.agent import netns
 
 REPO = Path(__file__).resolve().parents[2]
@@ -59,9 +58,8 @@ def test_node_0_and_the_events_leader_cut_off_one_way_loss_a_degraded_node_repla
     kinds = "oneway,degraded,node0_partition,broker_partition"
     # seed 26: node 2 degraded at step 4, node 0 cut off at 12, the events' leader at 20, and
     # node 1's outgoing traffic dropped at 28 (the last: it leaves the job one node of its own)
-    # paced as the nemesis paces its runs (the steps such a job takes anyway; no more of them)
-    more = ("--straggler-policy", "replace", "--min-step-s", str(MIN_STEP_S))
-    verdict = chaos(tmp_path, kinds, 4, 26, *more)
+    # paced as chaos paces netns runs by default (the steps such a job takes anyway)
+    verdict = chaos(tmp_path, kinds, 4, 26, "--straggler-policy", "replace")
     rows = {r["kind"]: r for r in verdict["faults"]}
     assert set(rows) == set(kinds.split(","))
     for kind in ("oneway", "node0_partition"):
