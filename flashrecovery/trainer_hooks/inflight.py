@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import datetime
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from flashrecovery.errors import Superseded
 
 POLL_S = 0.1  # how soon a newer generation's plan ends a wait in Python
+POLL = datetime.timedelta(seconds=POLL_S)
 IDLE_LOOK_S = 1.0  # the watcher's own look, should a plan come without a poke
 
 # (group, set once its work still in flight ends): gloo leaves some works incomplete for
@@ -156,17 +158,43 @@ def poke() -> None:
 def wait(work: dist.Work, group: object, superseded: Callable[[], bool]) -> None:
     """Wait for ``work`` (a collective of ``group``) and raise its error; raise ``Superseded``
     once ``superseded()`` holds, leaving the work behind with its group. A work already
-    complete is waited for at once: FSDP2 waits for most of its collectives after they ended,
-    and the watch (a callback that takes the GIL on gloo's thread, an event) is a hand-off
-    between two threads per collective on cores the ranks fill."""
+    complete is waited for at once, one in flight in torch's own wait with a timeout (a
+    timeout raises, the work goes on): a watch (a callback that takes the GIL on gloo's
+    thread, an event) is a hand-off between two threads per collective on cores the ranks
+    fill, and FSDP2 waits for a dozen collectives a step."""
     if work.is_completed():
         work.wait()
         return
-    ended = _ended(work)
-    while not ended.wait(POLL_S):
-        if superseded():
-            raise _leave_behind(group, ended)
-    work.wait()
+    if not _timed_wait(work):
+        ended = _ended(work)
+        while not ended.wait(POLL_S):
+            if superseded():
+                raise _leave_behind(group, ended)
+        work.wait()
+        return
+    # Waited for in torch, in slices: no hand-off to a Python callback on gloo's thread.
+    while True:
+        try:
+            work.wait(POLL)
+            return
+        except RuntimeError:
+            if work.is_completed():  # its own error (or it ended as the slice did): as it is
+                work.wait()
+                return
+            if superseded():
+                raise _leave_behind(group, _ended(work)) from None
+
+
+def _timed_wait(work: dist.Work) -> bool:
+    """Whether torch's wait with a timeout blocks until the work ends or the timeout raises:
+    a gloo work of CPU tensors, but for a reduce-scatter (no future, its wait ignores the
+    timeout); an NCCL work's wait only orders the CUDA stream behind it, so it is watched."""
+    try:
+        work.get_future()
+        outputs = work.result()
+    except RuntimeError:
+        return False
+    return bool(outputs) and all(t.device.type == "cpu" for t in outputs)
 
 
 def _ended(work: dist.Work) -> threading.Event:
