@@ -50,6 +50,7 @@ class Prometheus:
     def __init__(self, directory: Path, targets: dict[str, str]) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.targets = len(targets)
         jobs = []
         for name, target in targets.items():
             job: dict[str, Any] = {"job_name": name, "static_configs": [{"targets": [target]}]}
@@ -77,17 +78,21 @@ class Prometheus:
         )
 
     def wait_ready(self) -> None:
+        """Until it scrapes every target (``up`` has a sample of each, 0 while its process is
+        not there yet): it is ready before its first scrape, which may come seconds later (its
+        discovery hands the targets over in batches), and a job that reached its hold by then
+        left one sample of its counters and no increase for a rate."""
         deadline = time.monotonic() + READY_S
         while time.monotonic() < deadline:
             assert self.process.poll() is None, "prometheus exited; see prometheus.out"
             try:
                 with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as response:
-                    if response.status == 200:
+                    if response.status == 200 and len(self.query("up")) == self.targets:
                         return
             except (urllib.error.URLError, ConnectionError):
                 pass
             time.sleep(0.2)  # polling an HTTP endpoint: there is no event to wait on
-        raise AssertionError(f"prometheus not ready within {READY_S:.0f}s")
+        raise AssertionError(f"prometheus not scraping within {READY_S:.0f}s")
 
     def query(self, expr: str) -> list[dict[str, Any]]:
         """The instant vector an expression gives now (Grafana's instant query)."""
