@@ -65,6 +65,11 @@ class ScriptError(FlashRecoveryError):
     process says it is fatal (``RankExited.fatal``) and the engine fails the job at once."""
 
 
+class NonFiniteStepError(ScriptError):
+    """A step was NaN or infinite on its first attempt and on its recompute, and the job's
+    ``--nonfinite-policy`` is fail: the message names the ranks and the step."""
+
+
 class ProtocolError(FlashRecoveryError):
     """The engine's plan contradicts this rank's state: a bug, never retried as a failure."""
 

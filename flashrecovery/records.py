@@ -91,6 +91,14 @@ class StragglerPolicy(StrEnum):
     REPLACE = "replace"
 
 
+class NonFinitePolicy(StrEnum):
+    """What the job does with a step whose loss or gradients are NaN or infinite again when it
+    is recomputed: fail, naming the rank and step, or skip its batch on every rank."""
+
+    FAIL = "fail"
+    SKIP = "skip"
+
+
 class JobStarted(Envelope):
     """The agent opened the job: the configuration the engine and detectors work with."""
 
@@ -119,6 +127,7 @@ class JobStarted(Envelope):
     # timeout, as a broker cut off is waited out): a node its peers still hear over their own
     # links may be silent in the log this much longer before it is lost (absent in old logs: 0).
     log_hold_s: float = Field(default=0.0, ge=0)
+    nonfinite_policy: NonFinitePolicy = NonFinitePolicy.FAIL  # absent in old logs: fail
 
     @property
     def nproc_per_node(self) -> int:
@@ -237,6 +246,22 @@ class StepCompleted(Envelope):
     step: int = Field(ge=0)
     duration_s: float = Field(ge=0)
     loss: float | None = None
+    # The step's batch was skipped: it was non-finite twice and the job's policy is skip (no
+    # optimizer step; the step and the data position move on as for a commit).
+    skipped: bool = False
+
+
+class StepNonFinite(Envelope):
+    """A rank found its step's loss or gradients NaN or infinite; by the vote, no rank stepped.
+    ``action`` is what the job does: recompute the step (its first time), or after the
+    recompute, the job's policy."""
+
+    type: Literal["step_nonfinite"] = "step_nonfinite"
+    rank: RankId
+    step: int = Field(ge=0)
+    found: str = Field(min_length=1)  # "loss nan", "gradients"
+    attempt: int = Field(ge=1, le=2)
+    action: Literal["recompute", "skip", "fail"]
 
 
 class RankExited(Envelope):
@@ -602,6 +627,7 @@ EventRecord = Annotated[
     | Heartbeat
     | SpareHeartbeat
     | StepCompleted
+    | StepNonFinite
     | RankExited
     | CollectiveError
     | HeartbeatMissed

@@ -36,6 +36,13 @@ SAMPLE_FIELDS: dict[str, dict[str, Any]] = {
     "spare_heartbeat": {"spare_id": 0, "pid": 2001},
     "spare_missed": {"spare_id": 0, "last_seen_ts": T0, "silent_s": 1.5},
     "step_completed": {"rank": 0, "step": 3, "duration_s": 0.2, "loss": 0.5},
+    "step_nonfinite": {
+        "rank": 1,
+        "step": 3,
+        "found": "loss nan",
+        "attempt": 1,
+        "action": "recompute",
+    },
     "rank_exited": {"rank": 0, "pid": 1001, "signal": 9},
     "collective_error": {"rank": 1, "step": 3, "error": "peer vanished"},
     "heartbeat_missed": {"rank": 0, "last_seen_ts": T0, "silent_s": 1.5},

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from factories import JOB, T0, TYPES_BY_NAME, make
@@ -227,23 +228,31 @@ def test_an_impossible_kind_is_refused_before_anything_starts(tmp_path: Path) ->
 LONG_RUN_DIR = "run-with-a-name-long-enough-that-its-line-is-wider-than-a-terminal"
 
 
-@pytest.mark.timeout(280)
-def test_chaos_six_faults_all_recovered_bitwise_equal(tmp_path: Path) -> None:
+def run_chaos(tmp_path: Path, *args: str) -> tuple[dict[str, Any], str, str]:
+    """A chaos run that must pass every check: its verdict, the verdict as text (for a
+    failure's message) and its stderr."""
     command = [
-        sys.executable, "-m", "flashrecovery.cli", "chaos",
-        "--faults", "6", "--seed", "3", "--gap", "6", "--min-step-s", "0.05",
-        "--kinds", ",".join(KINDS),
-        "--run-dir", str(tmp_path / LONG_RUN_DIR), "--json", "--timeout", "200",
+        sys.executable, "-m", "flashrecovery.cli", "chaos", "--gap", "6", "--min-step-s", "0.05",
+        *args, "--json", "--timeout", "200",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO)}  # the ranks import this checkout
     done = subprocess.run(
         command, capture_output=True, text=True, timeout=270, cwd=tmp_path, env=env
     )
     assert done.stdout.strip(), f"no verdict; stderr:\n{done.stderr[-3000:]}"
-    verdict = json.loads(done.stdout)
+    verdict: dict[str, Any] = json.loads(done.stdout)
     context = json.dumps(verdict, indent=1)[:6000]
     assert done.returncode == 0, context
     assert verdict["ok"] and all(verdict["checks"].values()), context
+    return verdict, context, done.stderr
+
+
+@pytest.mark.timeout(280)
+def test_chaos_six_faults_all_recovered_bitwise_equal(tmp_path: Path) -> None:
+    verdict, context, stderr = run_chaos(
+        tmp_path, "--faults", "6", "--seed", "3", "--kinds", ",".join(KINDS),
+        "--run-dir", str(tmp_path / LONG_RUN_DIR),
+    )  # fmt: skip
     rows = verdict["faults"]
     assert len({r["kind"] for r in rows}) == 6, context
     assert all(r["recovered"] and r["committed_steps_lost"] == 0 for r in rows), context
@@ -251,7 +260,18 @@ def test_chaos_six_faults_all_recovered_bitwise_equal(tmp_path: Path) -> None:
     assert all(len(r["incidents"]) == 2 for r in two), context
     assert verdict["processes_left"] == []
     run_dir = f"run dir {tmp_path / LONG_RUN_DIR}"  # over 80 columns: piped, never folded
-    assert len(run_dir) > 80 and run_dir in done.stderr.splitlines(), done.stderr[-3000:]
+    assert len(run_dir) > 80 and run_dir in stderr.splitlines(), stderr[-3000:]
+
+
+@pytest.mark.timeout(280)
+def test_chaos_nan_faults_are_found_at_their_step_and_cost_no_incident(tmp_path: Path) -> None:
+    verdict, context, _ = run_chaos(tmp_path, "--faults", "2", "--seed", "0", "--kinds", "nan")
+    rows = verdict["faults"]
+    assert [(r["kind"], r["recovered"], r["detection_steps"]) for r in rows] == [
+        ("nan", True, 0),
+        ("nan", True, 0),
+    ], context
+    assert all(r["incidents"] == [] and "computed again" in r["notes"][0] for r in rows), context
 
 
 @pytest.mark.parametrize(

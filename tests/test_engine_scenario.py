@@ -10,7 +10,7 @@ from structlog.testing import capture_logs
 from flashrecovery.connectors.memory import MemoryLog
 from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.errors import LogError
-from flashrecovery.records import Decision, RankExited, Stream
+from flashrecovery.records import Decision, RankExited, StepCompleted, StepNonFinite, Stream
 from flashrecovery.replay.replayer import replay_job
 from flashrecovery.testing.simworld import SimulatedWorld, drive, scripted_failure
 
@@ -470,6 +470,34 @@ def test_a_process_that_says_the_script_cannot_run_fails_the_job_at_once() -> No
     )
     decisions = drive(log, engine, world, [fatal])
     [failed] = [d for d in decisions if d.type == "fail_job"]
-    assert failed.failures == 1 and "cannot run the script" in failed.reason  # type: ignore[attr-defined]
+    assert failed.failures == 1 and "no replacement would do better" in failed.reason  # type: ignore[attr-defined]
     assert error in failed.last_error  # type: ignore[attr-defined]
     assert engine.state.job.state == "failed"
+
+
+def test_a_nonfinite_step_is_counted_and_decides_nothing_a_skipped_one_is_a_step() -> None:
+    log, world, engine = running(2, spares=0, steps=3)
+
+    def nonfinite(step: int, attempt: int, action: str) -> StepNonFinite:
+        return StepNonFinite(
+            job_id=JOB, generation=0, source="rank:1", rank=1, step=step, found="loss nan",
+            attempt=attempt, action=action,
+        )  # fmt: skip
+
+    assert drive(log, engine, world, [nonfinite(3, 1, "recompute")]) == []
+    assert drive(log, engine, world, [nonfinite(3, 2, "skip")]) == []
+    assert engine.state.nonfinite == {"recompute": 1, "skip": 1}
+    # Of a step the rank is not in, it is believed by no one.
+    assert drive(log, engine, world, [nonfinite(5, 1, "recompute")]) == []
+    [reason] = engine.state.rejected
+    assert "its step in progress is 3, not 5" in reason
+    skipped = [
+        StepCompleted(job_id=JOB, generation=0, source=f"rank:{r}", rank=r, step=3,
+                      duration_s=0.1, loss=float("nan"), skipped=True)
+        for r in range(2)
+    ]  # fmt: skip
+    assert drive(log, engine, world, skipped) == []
+    assert [engine.state.ranks[r].committed_step for r in range(2)] == [3, 3]
+    assert engine.state.nonfinite == {"recompute": 1, "skip": 1}
+    report = replay_job(log, JOB)
+    assert report.ok, report.divergence and report.divergence.describe()

@@ -65,6 +65,54 @@ def test_a_vote_filled_after_its_close_still_aborts(store: dist.Store) -> None:
     assert vote.close(store, key, 3) is vote.Verdict.ABORTED
 
 
+def test_one_nonfinite_ballot_makes_a_full_vote_nonfinite_for_everyone(store: dist.Store) -> None:
+    key = vote.vote_key(4, 5)
+    assert vote.cast(store, key, 3) is None
+    assert vote.cast(store, key, 3, vote.Ballot("rank 1: loss nan")) is None
+    assert vote.cast(store, key, 3) is vote.Verdict.NONFINITE
+    assert vote.wait(store, key, 3, lambda: False) is vote.Verdict.NONFINITE
+    assert vote.close(store, key, 3) is vote.Verdict.NONFINITE  # full before its close
+    assert vote.nonfinite_found(store, key) == "rank 1: loss nan"
+
+
+def test_a_recompute_that_is_nonfinite_again_is_known_by_every_member(store: dist.Store) -> None:
+    """Only one member remembers the step's first attempt (the others are a replacement and a
+    member that never saw it end): every member learns it is the second, and what was found."""
+    key = vote.vote_key(5, 5)
+    assert vote.cast(store, key, 3, vote.Ballot("rank 0: gradients")) is None
+    assert vote.cast(store, key, 3, vote.Ballot(again=True)) is None
+    assert vote.cast(store, key, 3, vote.Ballot("rank 2: loss inf")) is vote.Verdict.NONFINITE_AGAIN
+    assert vote.wait(store, key, 3, lambda: False) is vote.Verdict.NONFINITE_AGAIN
+    assert vote.nonfinite_found(store, key) == "rank 0: gradients; rank 2: loss inf"
+    # A member that remembers a step which is finite now commits it like any other.
+    again = vote.vote_key(5, 6)
+    assert vote.cast(store, again, 2, vote.Ballot(again=True)) is None
+    assert vote.cast(store, again, 2) is vote.Verdict.COMMITTED
+
+
+def test_a_nonfinite_vote_closed_before_it_filled_aborts(store: dist.Store) -> None:
+    """A failure beats a non-finite step: the vote aborts, the step is recomputed after the
+    recovery; a closer of a full non-finite vote reports it as it is."""
+    key = vote.vote_key(6, 5)
+    assert vote.cast(store, key, 2, vote.Ballot("rank 0: loss nan")) is None
+    assert vote.close(store, key, 2) is vote.Verdict.ABORTED
+    assert vote.cast(store, key, 2) is vote.Verdict.ABORTED
+    full = vote.vote_key(6, 6)
+    assert vote.cast(store, full, 2, vote.Ballot("rank 0: loss nan")) is None
+    assert vote.cast(store, full, 2, vote.Ballot("rank 1: loss nan")) is vote.Verdict.NONFINITE
+    assert vote.close(store, full, 2) is vote.Verdict.NONFINITE
+
+
+def test_a_count_tells_votes_nonfinite_ballots_and_closes_apart() -> None:
+    """The largest world and every member non-finite stay below a close; closes stay apart."""
+    world = vote.NONFINITE - 1
+    count = world * (1 + vote.NONFINITE)
+    assert count < vote.CLOSED
+    assert vote._tally(count) == (0, world, world)
+    assert vote._tally(3 * vote.CLOSED + count) == (3, world, world)
+    assert (2 * world + 1) * vote.CLOSED + count < 1 << 63  # int64, with a closer per member
+
+
 @pytest.mark.parametrize("closer", [False, True])
 def test_members_voting_at_once_agree(job_store: JobStore, closer: bool) -> None:
     """Four members (each on its own client, as ranks are) vote at the same moment, with or

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 from flashrecovery.connectors import open_log
 from flashrecovery.errors import ConfigError, LogError
-from flashrecovery.records import StragglerPolicy, Stream
+from flashrecovery.records import NonFinitePolicy, StragglerPolicy, Stream
 from flashrecovery.trainer_hooks.env import GroupRebuild
 from flashrecovery.trainer_hooks.probe import ENV, FaultPlan
 
@@ -109,6 +109,7 @@ class AgentConfig:
     heartbeat_interval_s: float = 1.0
     stall_floor_s: float = 5.0  # no step progress this long (at least) while peers wait: stall
     straggler_policy: StragglerPolicy = StragglerPolicy.REPORT  # a node whose link slows the job
+    nonfinite_policy: NonFinitePolicy = NonFinitePolicy.FAIL  # a step non-finite twice
     external_engine: bool = False  # decisions come from `flashrecovery engine` services
     fault_plan: FaultPlan = field(
         default_factory=FaultPlan

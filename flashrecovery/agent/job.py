@@ -60,6 +60,7 @@ from flashrecovery.trainer_hooks.env import (
     CHECKPOINT_EVERY,
     GROUP_REBUILD,
     NODE_STORE,
+    NONFINITE_POLICY,
 )
 from flashrecovery.trainer_hooks.heartbeat import HeartbeatThread
 
@@ -260,6 +261,7 @@ class Agent:
                 heartbeat_interval_s=config.heartbeat_interval_s,
                 stall_floor_s=config.stall_floor_s,
                 straggler_policy=config.straggler_policy,
+                nonfinite_policy=config.nonfinite_policy,
                 log_hold_s=self._log.write_hold_s,
                 max_replacements=config.max_replacements,
                 max_incidents=config.max_incidents,
@@ -469,6 +471,7 @@ class Agent:
             "FLASHRECOVERY_HEARTBEAT_INTERVAL": str(self.config.heartbeat_interval_s),
             "FLASHRECOVERY_SHARDS": str(self.config.shards),
             GROUP_REBUILD: self.config.group_rebuild,
+            NONFINITE_POLICY: self.config.nonfinite_policy,
             **({probe.ENV: self.config.fault_plan.spec()} if self.config.fault_plan.faults else {}),
             **(
                 {final_state.ENV: str(self.config.final_state_dir.resolve())}

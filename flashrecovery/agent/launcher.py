@@ -15,7 +15,7 @@ from flashrecovery.agent.config import AgentConfig, Endpoint, RunAs, SpareRefill
 from flashrecovery.errors import ConfigError
 from flashrecovery.observe.exporter import add_metrics_port
 from flashrecovery.options import add_job_option
-from flashrecovery.records import StragglerPolicy
+from flashrecovery.records import NonFinitePolicy, StragglerPolicy
 from flashrecovery.trainer_hooks import probe
 from flashrecovery.trainer_hooks.env import GroupRebuild
 
@@ -121,6 +121,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "late while theirs between them are not): name it in the log (report, the default), "
         "or also replace its ranks with spares of other nodes when they can take them all "
         "(replace); needs 3 nodes or more to tell the node from the network",
+    )
+    add(
+        "--nonfinite-policy",
+        **one_of(NonFinitePolicy.FAIL),
+        help="a step whose loss or gradients hold a NaN or an infinity on any rank is stepped by "
+        "no rank and computed again once; non-finite again, the job fails naming the rank and "
+        "step (fail, the default) or every rank skips its batch (skip); docs/hook.md",
     )
     add(
         "--external-engine",
@@ -285,6 +292,7 @@ def run(args: argparse.Namespace) -> int:
                 heartbeat_interval_s=args.heartbeat_interval,
                 stall_floor_s=args.stall_timeout,
                 straggler_policy=StragglerPolicy(args.straggler_policy),
+                nonfinite_policy=NonFinitePolicy(args.nonfinite_policy),
                 external_engine=args.external_engine,
                 fault_plan=_fault_plan(),
                 final_state_dir=args.final_state,

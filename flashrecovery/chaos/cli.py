@@ -537,7 +537,9 @@ def print_verdict(verdict: dict[str, Any], console: Console) -> None:
             str(row["index"]),
             row["kind"],
             row["where"],
-            _ms(row["detection_ms"]),
+            _ms(row["detection_ms"])
+            if row["detection_steps"] is None
+            else f"{row['detection_steps']} steps",
             _ms(row["rto_ms"]),
             str(row["committed_steps_lost"]),
             _yes(row["recovered"]) if row["sent"] else "[yellow]not sent[/]",

@@ -19,6 +19,7 @@ KINDS: dict[str, str] = {
     "sigstop": "SIGSTOP a rank from outside (found by its missing heartbeats)",
     "raise": "an exception escapes a rank's training loop",
     "stall": "a rank stuck in its own code, heartbeats going on (found by the stall detector)",
+    "nan": "a NaN in one rank's gradients (found by the commit: no rank steps, it is recomputed)",
     "donor": "a rank dies, then its donor dies mid-transfer (another replica donates)",
     "replacement": "a rank dies, then its replacement dies before its first commit",
     "regroup": "a rank dies, then a second one dies as the members regroup",
@@ -58,6 +59,7 @@ TWO_FAILURES = ("donor", "replacement", "regroup", "group_build")
 OUTSIDE_SIGNAL = {"sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP}
 MID_INCIDENT = ("engine_kill", "broker_restart")  # a rank SIGKILLed, then this
 IDLE_SPARE_SIGNAL = {"spare_kill": signal.SIGKILL, "spare_stop": signal.SIGSTOP}
+NO_INCIDENT = ("nan",)  # a fault of the values, not of a process: found, and no rank replaced
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,7 @@ class PlannedFault:
         return {
             "raise": [f"{self.rank}:raise@{self.step}"],
             "stall": [f"{self.rank}:stall@{self.step}"],
+            "nan": [f"{self.rank}:nan@{self.step}"],
             "donor": [first, f"{self.second}:donor_send@{during}"],
             "replacement": [first, first],
             "regroup": [first, f"{self.second}:regroup@{during}"],
@@ -87,7 +90,7 @@ class PlannedFault:
     @property
     def failed_ranks(self) -> list[int]:
         """The ranks it makes fail, in order (one incident each)."""
-        if self.kind in IDLE_SPARE_SIGNAL or self.kind in (*SLOWED, *BROKER):
+        if self.kind in IDLE_SPARE_SIGNAL or self.kind in (*SLOWED, *BROKER, *NO_INCIDENT):
             return []  # a spare holds no rank, the others must cost no incident
         if self.kind in NODE_LOST:
             return list(self.ranks[:1])  # one incident for the whole node, named by its first
@@ -129,7 +132,7 @@ def available_kinds(
     """The kinds this job can take: two failures in one recovery need three ranks (one
     replica must survive to donate); the spare, engine and broker kinds need those to exist;
     the node kinds several nodes, the network's nodes with networks of their own."""
-    kinds = ["sigkill", "sigstop", "raise", "stall"]
+    kinds = ["sigkill", "sigstop", "raise", "stall", "nan"]
     if nodes > 1:
         kinds += ["node_kill", "node0_kill"]
     if nodes > 1 and netns:

@@ -11,6 +11,7 @@ from typing import Any
 from flashrecovery.chaos.schedule import (
     IDLE_SPARE_SIGNAL,
     NETWORK,
+    NO_INCIDENT,
     NODE_LOST,
     SLOWED,
     PlannedFault,
@@ -31,6 +32,7 @@ from flashrecovery.records import (
     RetireSpare,
     SpareActivated,
     SpareReady,
+    StepNonFinite,
     StragglerFound,
     Stream,
 )
@@ -184,6 +186,30 @@ def straggler_outcome(
     )
 
 
+def nonfinite_outcome(
+    log: LogConnector, job_id: str, fault: PlannedFault
+) -> tuple[bool, list[str], int | None]:
+    """A NaN put in a rank's gradients: whether that rank reported its step non-finite and the
+    step was computed again (not skipped, not failed), and how many steps after the fault."""
+    reports = [
+        r
+        for e in log.read(Stream.EVENTS, job_id)
+        if isinstance(r := e.record, StepNonFinite)
+        and r.rank == fault.rank
+        and r.step >= fault.step
+    ]
+    if not reports:
+        return False, [f"rank {fault.rank} did not report the NaN"], None
+    first = reports[0]
+    recomputed = all(r.action == "recompute" for r in reports)
+    said = "computed again" if recomputed else f"then {reports[-1].action}"
+    return (
+        recomputed,
+        [f"found in step {first.step} ({first.found}), {said}"],
+        first.step - fault.step,
+    )
+
+
 def _caused_by(fault: PlannedFault, rank: int, row: dict[str, Any]) -> bool:
     """A lost node's incident by the node's number (ranks may have moved onto it since the plan
     was drawn); any other by its rank."""
@@ -260,6 +286,11 @@ def judge(
             recovered, said, detection, rto = spare_outcome(log, job_id, action)
             notes += said
             rtos = [] if rto is None else [rto]
+        detection_steps = None
+        if fault.kind in NO_INCIDENT:
+            found_it, said, detection_steps = nonfinite_outcome(log, job_id, fault)
+            recovered = found_it and not mine
+            notes += said
         if fault.kind in SLOWED:
             named, said, detection = straggler_outcome(log, job_id, fault.node, action)
             # degraded: it must be named; a flap may be, or pass unnoticed
@@ -285,6 +316,7 @@ def judge(
                 "where": fault.describe(),
                 "incidents": [r["incident_id"] for r in mine],
                 "detection_ms": _ms(detection),
+                "detection_steps": detection_steps,  # a fault found by a step's values
                 "rto_ms": _ms(max(rtos)) if rtos and None not in rtos else None,
                 "committed_steps_lost": sum(r["committed_steps_lost"] or 0 for r in mine),
                 "sent": sent_out,

@@ -45,6 +45,7 @@ from flashrecovery.records import (
     StallSuspected,
     StateTransferred,
     StepCompleted,
+    StepNonFinite,
     StragglerCleared,
     StragglerFound,
     StragglerPolicy,
@@ -58,6 +59,7 @@ FENCED_TYPES = (
     RankJoined,
     Heartbeat,
     StepCompleted,
+    StepNonFinite,
     CollectiveError,
     RankRegrouped,
     StateTransferred,
@@ -351,13 +353,18 @@ def _stalled_by(state: EngineState, view: RankView) -> bool:
     return behind or (not view.waiting and state.waiting > 0)
 
 
+def _member_holding_state(state: EngineState, rank: int) -> RankView:
+    view = state.ranks[rank]
+    if view.machine.state not in ALIVE or rank in state.needs_state:
+        raise Rejected(f"rank {rank} is {view.machine.state}, not a member holding state")
+    return view
+
+
 def _step_completed(ctx: Context, record: StepCompleted) -> None:
     """Believed only where the commit protocol allows it: a member commits each step once, in
     order, and only a step every member voted on, so never more than one past the slowest."""
     state = ctx.state
-    view = state.ranks[record.rank]
-    if view.machine.state not in ALIVE or record.rank in state.needs_state:
-        raise Rejected(f"rank {record.rank} is {view.machine.state}, not a member holding state")
+    view = _member_holding_state(state, record.rank)
     if record.step <= view.committed_step:
         raise Rejected(f"rank {record.rank} committed step {record.step} already")
     if record.step > state.committed.floor() + 1:
@@ -371,6 +378,19 @@ def _step_completed(ctx: Context, record: StepCompleted) -> None:
     state.step_durations.append(record.duration_s)
     recovery.clear_suspicion(ctx, view)
     recovery.maybe_close_incidents(ctx)
+
+
+def _step_nonfinite(ctx: Context, record: StepNonFinite) -> None:
+    """Counted, nothing to decide: the vote kept the step from every member and told each
+    what to do (docs/hook.md, "Non-finite steps"). Believed only of the step the rank is in."""
+    state = ctx.state
+    view = _member_holding_state(state, record.rank)
+    if record.step != view.committed_step + 1:
+        raise Rejected(
+            f"rank {record.rank} has committed step {view.committed_step}: its step in "
+            f"progress is {view.committed_step + 1}, not {record.step}"
+        )
+    state.nonfinite[record.action] += 1
 
 
 def _rank_exited(ctx: Context, record: RankExited) -> None:
@@ -552,6 +572,7 @@ HANDLERS: dict[type[Envelope], Callable[[Context, Any], None]] = {
     SpareMissed: _spare_missed,
     Heartbeat: _heartbeat,
     StepCompleted: _step_completed,
+    StepNonFinite: _step_nonfinite,
     RankExited: _rank_exited,
     CollectiveError: _collective_error,
     HeartbeatMissed: _heartbeat_missed,

@@ -161,7 +161,7 @@ def _guard_tripped(
     rank = max(ranks, key=lambda r: state.failures[(r, step)])
     failures = state.failures[(rank, step)]
     if fatal:
-        verdict = f"rank {rank} cannot run the script (no replacement would do better)"
+        verdict = f"rank {rank} ended with an error no replacement would do better on"
     elif failures and failures >= config.max_replacements:
         where = "before its first step" if step < 0 else f"at committed step {step}"
         verdict = f"rank {rank} failed {failures} times {where} (--max-replacements)"

@@ -301,6 +301,7 @@ class EngineState:
     store_node: int | None = None  # the node whose agent hosts it (None: no node's)
     links: LinkBook = field(default_factory=LinkBook)  # the agents' probes of each other
     stragglers: set[int] = field(default_factory=set)  # nodes named, until their links heal
+    nonfinite: Counter[str] = field(default_factory=Counter)  # action -> StepNonFinite records
 
     def __post_init__(self) -> None:
         self.ranks = RankTable(self.sweeps, self._settle)

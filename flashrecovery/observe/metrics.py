@@ -158,6 +158,12 @@ def families(
     lost = _counter("steps_lost", "Committed steps lost in recoveries (RPO)", [])
     lost.add_metric([job], sum(c.rpo_steps for c in fold.closed))
     yield lost
+    nonfinite = _counter(
+        "steps_nonfinite", "Ranks' reports of a non-finite step, by what followed", ["action"]
+    )
+    for action, count in sorted(state.nonfinite.items()):
+        nonfinite.add_metric([job, action], count)
+    yield nonfinite
     rejected = _counter("records_rejected", "Records decide refused (malformed, nonsensical)", [])
     rejected.add_metric([job], state.rejected.total())
     yield rejected

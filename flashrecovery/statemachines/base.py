@@ -48,6 +48,7 @@ class Trigger(StrEnum):
     BEGIN_STEP = "begin_step"
     VOTE = "vote"
     COMMIT = "commit"
+    DISCARD = "discard"  # the vote found the step non-finite: no member applies it
 
 
 def arc(trigger: Trigger, source: StrEnum | Sequence[StrEnum], dest: StrEnum) -> dict[str, Any]:

@@ -45,6 +45,7 @@ class SessionMachine(StateMachine[SessionState]):
         arc(Trigger.BEGIN_STEP, S.TRAINING, S.STEPPING),
         arc(Trigger.VOTE, S.STEPPING, S.COMMITTING),
         arc(Trigger.COMMIT, S.COMMITTING, S.TRAINING),
+        arc(Trigger.DISCARD, S.COMMITTING, S.TRAINING),
         arc(Trigger.REGROUP, LEFT, S.REGROUPING),
         arc(Trigger.FORM, S.REGROUPING, S.REGROUPED),
         arc(Trigger.BEGIN_RESTORE, S.REGROUPED, S.RESTORING),

@@ -10,12 +10,14 @@ from pathlib import Path
 from typing import TypeVar
 
 from flashrecovery.errors import LaunchError
+from flashrecovery.records import NonFinitePolicy
 from flashrecovery.trainer_hooks import final_state
 from flashrecovery.trainer_hooks.probe import FaultPlan
 
 CHECKPOINT_DIR = "FLASHRECOVERY_CHECKPOINT_DIR"
 CHECKPOINT_EVERY = "FLASHRECOVERY_CHECKPOINT_EVERY"
 GROUP_REBUILD = "FLASHRECOVERY_GROUP_REBUILD"
+NONFINITE_POLICY = "FLASHRECOVERY_NONFINITE_POLICY"
 NODE_STORE = "FLASHRECOVERY_NODE_STORE"
 E = TypeVar("E", bound=StrEnum)
 
@@ -67,6 +69,7 @@ class LaunchEnv:
     checkpoint_dir: Path | None = None  # where checkpoints go (trainer_hooks/checkpoint.py)
     checkpoint_every: int = 0  # save after every this many committed steps
     group_rebuild: GroupRebuild = GroupRebuild.FRESH
+    nonfinite_policy: NonFinitePolicy = NonFinitePolicy.FAIL
 
     @property
     def launch_store(self) -> str:
@@ -88,6 +91,9 @@ class LaunchEnv:
 
         role = choice(Role, need("FLASHRECOVERY_ROLE"), "FLASHRECOVERY_ROLE")
         group_rebuild = choice(GroupRebuild, env.get(GROUP_REBUILD, "fresh"), GROUP_REBUILD)
+        nonfinite_policy = choice(
+            NonFinitePolicy, env.get(NONFINITE_POLICY, "fail"), NONFINITE_POLICY
+        )
         try:
             return cls(
                 job_id=need("FLASHRECOVERY_JOB_ID"),
@@ -111,6 +117,7 @@ class LaunchEnv:
                 agent_link=need("FLASHRECOVERY_AGENT_LINK"),
                 node_store=env.get(NODE_STORE) or f"{need('MASTER_ADDR')}:{need('MASTER_PORT')}",
                 group_rebuild=group_rebuild,
+                nonfinite_policy=nonfinite_policy,
             )
         except ValueError as exc:
             raise LaunchError(f"bad launch environment: {exc}") from None

@@ -36,6 +36,11 @@ class ReducedGradients:
             buckets[dtype] = flat
         return cls(params, buckets)
 
+    @property
+    def sums(self) -> list[torch.Tensor]:
+        """The summed gradients, one flat tensor per dtype."""
+        return list(self._buckets.values())
+
     def apply(self, world_size: int) -> None:
         """Replace every gradient with the members' average."""
         offsets = dict.fromkeys(self._buckets, 0)

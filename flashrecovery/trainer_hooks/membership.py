@@ -260,18 +260,20 @@ class Membership:
 
     # ------------------------------------------------------------------ the vote
 
-    def vote(self, step: int, previous_record: int) -> vote.Verdict:
+    def vote(
+        self, step: int, previous_record: int, ballot: vote.Ballot = vote.FINITE, attempt: int = 0
+    ) -> vote.Verdict:
         """This member's vote on ``step`` and the verdict: committed only once every member
         voted, and only once this member's record of its previous step (``previous_record``,
         by number) is in the log, so the log never shows a member two steps ahead of another
         (docs/protocol.md). Aborted when a newer generation is planned first."""
-        key = vote.vote_key(self.generation, step)
+        key = vote.vote_key(self.generation, step, attempt)
         world = self.env.world_size
         try:
             with self.releasable(lambda store: vote.close(store, key, world)) as superseded:
                 if not self.link.wait_logged(previous_record, RECOVERY_TIMEOUT_S, self.superseded):
                     return vote.close(self.store, key, world)  # superseded, or the agent is gone
-                verdict = vote.cast(self.store, key, world)
+                verdict = vote.cast(self.store, key, world, ballot)
                 if verdict is None and superseded:
                     verdict = vote.close(self.store, key, world)
                 if verdict is None:
@@ -284,3 +286,11 @@ class Membership:
             # so members that saw it commit and this one never diverge.
             return vote.Verdict.ABORTED
         return verdict
+
+    def nonfinite_found(self, step: int, attempt: int) -> str:
+        """What the members found non-finite in ``step``'s ``attempt``, by their own words
+        (after a non-finite verdict)."""
+        try:
+            return vote.nonfinite_found(self.store, vote.vote_key(self.generation, step, attempt))
+        except RuntimeError:
+            return "some member (the store is out of reach)"

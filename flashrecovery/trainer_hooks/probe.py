@@ -16,7 +16,10 @@ committed (the last step: lost after the job's work is done); ``exit`` SIGKILLs 
 end of ``finish()``, its ``RankFinished`` handed over (a crash in the interpreter's teardown
 after training); ``raise`` raises instead of dying; ``hang`` SIGSTOPs the process so only the
 detectors can find it; ``stall`` blocks the training thread forever before the step's commit
-while the process (and its heartbeats) live on, so only the stall detector can find it. During a
+while the process (and its heartbeats) live on, so only the stall detector can find it; ``nan``
+makes one of the rank's gradients NaN before the commit looks at them (trainer_hooks/nonfinite.py),
+a fault of the values that the process lives through (plan it twice at one step for a step that
+is non-finite when recomputed too). During a
 recovery, at the member's committed step: ``regroup`` SIGKILLs a member as it starts to join a
 new generation, ``group_build`` as it starts to build the generation's group (its ring
 neighbours wait for it while theirs form), and ``donor_send`` kills a donor in the middle of
@@ -57,6 +60,7 @@ class Action(StrEnum):
     RAISE = "raise"
     HANG = "hang"
     STALL = "stall"
+    NAN = "nan"  # done by the caller: the probe has no hold on the values
 
 
 class InjectedFault(RuntimeError):
@@ -97,7 +101,7 @@ class PlannedFault:
             os.kill(os.getpid(), signal.SIGSTOP)
         elif self.action is Action.STALL:
             threading.Event().wait()  # never set: stuck in user code until SIGKILLed
-        else:
+        elif self.action is Action.KILL:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -134,11 +138,13 @@ class Probe:
         self._faults = plan.faults
         self._claim = claim
 
-    def __call__(self, point: Point, rank: int | None, step: int) -> None:
+    def __call__(self, point: Point, rank: int | None, step: int) -> Action | None:
+        """The action of the fault fired here, if one was (what it left to the caller)."""
         if not self._faults or rank is None:
-            return  # no plan: production does nothing more than this
+            return None  # no plan: production does nothing more than this
         for index, fault in enumerate(self._faults):
             due = (fault.rank, fault.point, fault.step) == (rank, point, step)
             if due and self._claim(index):
                 fault.fire()
-                return
+                return fault.action
+        return None

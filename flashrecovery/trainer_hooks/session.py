@@ -21,24 +21,26 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from flashrecovery import heap
-from flashrecovery.errors import ConfigError, ScriptError, Superseded
+from flashrecovery.errors import ConfigError, NonFiniteStepError, ScriptError, Superseded
 from flashrecovery.records import (
     CheckpointSaved,
     CollectiveError,
     HealthReport,
+    NonFinitePolicy,
     RankFinished,
     RankJoined,
     StepCompleted,
+    StepNonFinite,
 )
 from flashrecovery.statemachines.base import Trigger
 from flashrecovery.statemachines.session import SessionMachine, SessionState
-from flashrecovery.trainer_hooks import ddp, final_state, inflight, stable_group, vote
+from flashrecovery.trainer_hooks import ddp, final_state, inflight, nonfinite, stable_group, vote
 from flashrecovery.trainer_hooks.env import LaunchEnv, Role
 from flashrecovery.trainer_hooks.gradients import ReducedGradients
 from flashrecovery.trainer_hooks.heartbeat import HeartbeatThread
 from flashrecovery.trainer_hooks.loader import BatchSource, adopt, adopted
 from flashrecovery.trainer_hooks.membership import RECOVERY_TIMEOUT_S, Membership
-from flashrecovery.trainer_hooks.probe import Point, Probe
+from flashrecovery.trainer_hooks.probe import Action, Point, Probe
 from flashrecovery.trainer_hooks.recovery import Recovery
 from flashrecovery.trainer_hooks.training_state import Stateful, TrainingState
 
@@ -62,6 +64,8 @@ class Session:
         self._state = TrainingState()
         self._step_record = 0  # the number of this rank's last StepCompleted handed over
         self._step_started = 0.0
+        # (generation, step, attempts voted non-finite): the step's next vote is its own
+        self._discarded = (-1, -1, 0)
         self._batches_ended: int | None = None  # the epoch whose batches() loop ended
         self._checkpoints = None if env.checkpoint_dir is None else self._checkpointer()
         # Test-only faults (trainer_hooks/probe.py): without a plan it does nothing.
@@ -272,11 +276,13 @@ class Session:
     def run_step(self, compute: Callable[[], R], loss: Callable[[R], float | None]) -> R:
         """One step of a loop that is not the session's: ``compute()`` it (forward and
         backward) and commit; on an abort (recovered by then), compute it again, with the same
-        inputs and randomness, until it is committed. The caller steps its optimizer after."""
+        inputs and randomness, until it is committed (or skipped: non-finite twice under
+        ``--nonfinite-policy skip``, its gradients dropped). The caller steps its optimizer
+        after."""
         while True:
-            self._begin_step()
+            step = self._begin_step()
             result = compute()
-            if self.commit(loss=loss(result)):
+            if self.commit(loss=loss(result)) or self._state.committed_step == step:
                 return result
 
     def _join(self) -> None:
@@ -339,7 +345,9 @@ class Session:
         commits this step; with the user's own parallelism (``process_group()``: DDP or FSDP
         reduced the gradients) only vote, and the caller steps its optimizer when this returns
         True. On a peer failure, recover (regroup, restore) and return False: ``steps()`` then
-        yields the step to recompute."""
+        yields the step to recompute. A step NaN or infinite on any member (``loss``, or the
+        gradients) is stepped by none and computed again; non-finite again, the job's
+        ``--nonfinite-policy`` fails it or skips the batch (False, and the steps move on)."""
         if self._machine.state is not S.STEPPING:
             raise ScriptError(
                 "session.commit() outside a step: commit inside `for step in "
@@ -351,7 +359,8 @@ class Session:
         model, optimizer = state.model, state.optimizer
         assert model is not None and optimizer is not None
         step = state.committed_step + 1
-        self._probe(Point.BEFORE_REDUCE, member.rank, step)
+        if self._probe(Point.BEFORE_REDUCE, member.rank, step) is Action.NAN:
+            nonfinite.poison(_gradients(model))
         self._machine.fire(Trigger.VOTE)  # heartbeats now say: held up by the peers, if anyone
         try:
             reduced = None
@@ -362,32 +371,87 @@ class Session:
             failure = member.stable.error()  # a collective of the user's failed this step
         except (RuntimeError, Superseded) as exc:  # a peer vanished (gloo fails within
             failure = str(exc)  # milliseconds), or one stuck in its own code held the sum up
+        found = None
         if failure is not None:
             member.append(CollectiveError, rank=self.rank, step=step, error=failure[:500])
             verdict = vote.Verdict.ABORTED
         else:
-            verdict = member.vote(step, self._step_record)
+            # Each member's own gradients first, so the report names where a NaN came from;
+            # then the sums the hook made of them, which a large finite value can overflow.
+            found = nonfinite.found(loss, _gradients(model))
+            if found is None and reduced is not None:
+                found = nonfinite.found(None, reduced.sums, "summed gradients")
+            ballot = vote.Ballot(
+                None if found is None else f"rank {self.rank}: {found}",
+                again=state.nonfinite_step == step,
+            )
+            verdict = member.vote(step, self._step_record, ballot, self._attempt(step))
         if verdict is vote.Verdict.COMMITTED:
             self._machine.fire(Trigger.COMMIT)
             if reduced is not None:
                 reduced.apply(self.world_size)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            state.committed_step = step
-            if self._checkpoints is not None:
-                self._checkpoints.due_next = self._checkpoints.due(step)
-            state.position.batch += 1
-            self._step_record = member.append(
-                StepCompleted,
-                rank=self.rank,
-                step=step,
-                duration_s=round(time.perf_counter() - self._step_started, 6),
-                loss=loss,
-            )
+            self._advance(step, loss)
             return True
+        if verdict in (vote.Verdict.NONFINITE, vote.Verdict.NONFINITE_AGAIN):
+            self._discard(step, verdict is vote.Verdict.NONFINITE_AGAIN, found, loss)
+            return False
         state.abort_step()
         self._recovery.recover()
         return False
+
+    def _attempt(self, step: int) -> int:
+        """How many votes on ``step`` this generation found it non-finite."""
+        generation, discarded, attempts = self._discarded
+        return attempts if (generation, discarded) == (self._member.generation, step) else 0
+
+    def _advance(self, step: int, loss: float | None, skipped: bool = False) -> None:
+        """The step is done on every member (committed, or its batch skipped): say so."""
+        state = self._state
+        state.committed_step = step
+        state.nonfinite_step = None
+        if self._checkpoints is not None:
+            self._checkpoints.due_next = self._checkpoints.due(step)
+        state.position.batch += 1
+        self._step_record = self._member.append(
+            StepCompleted,
+            rank=self.rank,
+            step=step,
+            duration_s=round(time.perf_counter() - self._step_started, 6),
+            loss=loss,
+            skipped=skipped,
+        )
+
+    def _discard(self, step: int, again: bool, found: str | None, loss: float | None) -> None:
+        """The vote found the step non-finite: no member applies it. Its first time it is
+        computed again; the second, the job's policy fails the job or skips the batch."""
+        member, state = self._member, self._state
+        policy = self._env.nonfinite_policy
+        attempt = self._attempt(step)
+        self._discarded = (member.generation, step, attempt + 1)
+        if found is not None:
+            member.append(
+                StepNonFinite,
+                rank=self.rank,
+                step=step,
+                found=found,
+                attempt=2 if again else 1,
+                action=policy.value if again else "recompute",
+            )
+        self._machine.fire(Trigger.DISCARD)
+        if not again:
+            state.nonfinite_step = step
+            state.abort_step()
+            return
+        if policy is NonFinitePolicy.FAIL:
+            raise NonFiniteStepError(
+                f"step {step} was non-finite, and again when computed again "
+                f"({member.nonfinite_found(step, attempt)}); --nonfinite-policy fail"
+            )
+        assert state.optimizer is not None
+        state.optimizer.zero_grad(set_to_none=True)  # nothing of the batch is applied
+        self._advance(step, loss, skipped=True)
 
     def finish(self) -> None:
         """Wait until every member is done, then report this rank finished and stop the
@@ -442,6 +506,10 @@ class Session:
         self._heartbeat.stop()
         self._member.close()
         inflight.abandon_left_behind()
+
+
+def _gradients(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.grad for p in model.parameters() if p.grad is not None]
 
 
 def _sharded_elsewhere(model: torch.nn.Module, mesh: DeviceMesh | None) -> bool:

@@ -27,6 +27,7 @@ class TrainingState:
         self.extras: dict[str, Stateful] = {}
         self.position = DataPosition()
         self.committed_step = -1
+        self.nonfinite_step: int | None = None  # a step whose last attempt was non-finite
         self._rng_at_step: dict[str, Any] = {}
         self._restored_rng: dict[str, Any] | None = None  # the donor's, from the next step on
 

@@ -10,28 +10,55 @@ is the last voter's: one round trip and the verdict's publication, however many 
 once. Whoever makes the vote final (the last voter, or the first closer) writes the verdict key
 that the other members wait on; a late voter and a later closer that know the verdict write it
 too (the same value), so it is published unless every one of them dies at that moment.
+
+A member whose step is not finite (trainer_hooks/nonfinite.py) adds ``NONFINITE`` with its
+vote, having first written what it found under the vote's key: a full vote with any such
+addition says "non-finite" instead of "committed", and no member steps. A member that saw the
+same step's earlier attempt end so says it before it votes (``/again``), so every member learns
+together whether this is the step's first non-finite attempt or its recompute, even a
+replacement that never saw the first.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from enum import StrEnum
 
 import torch.distributed as dist
 
 from flashrecovery.trainer_hooks.groups import COLLECTIVE_TIMEOUT, WAIT_SLICE
 
-CLOSED = 1 << 32  # what a closer adds: far above any world size
+# A count is closes x CLOSED + non-finite votes x NONFINITE + votes (an int64 in the store):
+# worlds below 2**20 ranks (a million); with each member closing it twice at most (its own
+# thread and its releaser) the count stays far below 2**63.
+NONFINITE = 1 << 20
+CLOSED = 1 << 40
 
 
 class Verdict(StrEnum):
     COMMITTED = "committed"
     ABORTED = "aborted"
+    NONFINITE = "nonfinite"  # every member voted, some step was not finite: nobody steps
+    NONFINITE_AGAIN = "nonfinite-again"  # and so was the step's attempt before
 
 
-def vote_key(generation: int, step: int) -> str:
-    return f"gen/{generation}/vote/{step}"
+@dataclass(frozen=True)
+class Ballot:
+    """What a member says of its step along with its vote."""
+
+    nonfinite: str | None = None  # what of it was NaN or infinite, in a few words
+    again: bool = False  # this member saw the step's last attempt end non-finite
+
+
+FINITE = Ballot()
+
+
+def vote_key(generation: int, step: int, attempt: int = 0) -> str:
+    """The vote on ``step``'s ``attempt`` in ``generation``: a step found non-finite is voted
+    on again, after the same members computed it again (a recovery makes a new generation)."""
+    return f"gen/{generation}/vote/{step}" + (f"/{attempt}" if attempt else "")
 
 
 def _finish(store: dist.Store, key: str, verdict: Verdict) -> Verdict:
@@ -39,25 +66,50 @@ def _finish(store: dist.Store, key: str, verdict: Verdict) -> Verdict:
     return verdict
 
 
-def cast(store: dist.Store, key: str, world_size: int) -> Verdict | None:
+def _tally(count: int) -> tuple[int, int, int]:
+    """(closes, non-finite votes, votes) of a vote's count."""
+    closes, rest = divmod(count, CLOSED)
+    nonfinite, votes = divmod(rest, NONFINITE)
+    return closes, nonfinite, votes
+
+
+def _full(store: dist.Store, key: str, nonfinite: int) -> Verdict:
+    """The verdict of a vote every member cast."""
+    if not nonfinite:
+        return Verdict.COMMITTED
+    return Verdict.NONFINITE_AGAIN if store.check([f"{key}/again"]) else Verdict.NONFINITE
+
+
+def cast(store: dist.Store, key: str, world_size: int, ballot: Ballot = FINITE) -> Verdict | None:
     """Add this member's vote; the verdict if the vote is now final, else None (wait for it)."""
-    count = store.add(key, 1)
-    if count >= CLOSED:  # closed before this vote came: it was not full then
+    if ballot.again:
+        store.set(f"{key}/again", "1")
+    if ballot.nonfinite is not None:
+        # Store.append is torch's (2.3 on), missing from its type stubs
+        store.append(f"{key}/nonfinite", f"{ballot.nonfinite}; ")  # type: ignore[attr-defined]
+    count = store.add(key, 1 + (NONFINITE if ballot.nonfinite is not None else 0))
+    closes, nonfinite, votes = _tally(count)
+    if closes:  # closed before this vote came: it was not full then
         return _finish(store, key, Verdict.ABORTED)
-    if count == world_size:
-        return _finish(store, key, Verdict.COMMITTED)
+    if votes == world_size:
+        return _finish(store, key, _full(store, key, nonfinite))
     return None
+
+
+def nonfinite_found(store: dist.Store, key: str) -> str:
+    """What the members that voted non-finite found (read once the verdict says so)."""
+    return store.get(f"{key}/nonfinite").decode().rstrip("; ")
 
 
 def close(store: dist.Store, key: str, world_size: int) -> Verdict:
     """Close the vote unless it is already full; return (and publish) its final verdict. The
     first closer settles it; a later one knows it too unless every member had voted by then (a
-    vote full before the first close commits, one filled after it aborts): then it waits for
-    the verdict like a voter."""
-    count = store.add(key, CLOSED)
-    votes, closes = count % CLOSED, count // CLOSED
+    vote full before the first close keeps its votes' verdict, one filled after it aborts):
+    then it waits for the verdict like a voter."""
+    closes, nonfinite, votes = _tally(store.add(key, CLOSED))
     if closes == 1:
-        return _finish(store, key, Verdict.COMMITTED if votes == world_size else Verdict.ABORTED)
+        full = votes == world_size
+        return _finish(store, key, _full(store, key, nonfinite) if full else Verdict.ABORTED)
     if votes < world_size:
         return _finish(store, key, Verdict.ABORTED)
     return Verdict(store.get(f"{key}/verdict").decode())  # the first closer publishes it

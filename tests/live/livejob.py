@@ -25,7 +25,7 @@ from flashrecovery.agent import Agent, AgentConfig
 from flashrecovery.agent.config import RunAs
 from flashrecovery.connectors import LogConnector, open_log
 from flashrecovery.connectors.follow import StreamCursor
-from flashrecovery.records import Envelope, Stream
+from flashrecovery.records import Envelope, NonFinitePolicy, Stream
 from flashrecovery.trainer_hooks.probe import FaultPlan
 
 SCRIPT = Path(__file__).parent.parent / "scripts" / "train_mlp.py"
@@ -145,6 +145,7 @@ def run_job(
     start_method: str = "forkserver",
     group_rebuild: str = "fresh",
     run_as: RunAs = RunAs.SCRIPT,
+    nonfinite_policy: NonFinitePolicy = NonFinitePolicy.FAIL,
 ) -> JobResult:
     """Run the training script on ``nproc`` ranks; ``kill_at`` maps rank -> the step after whose
     commit (as the log shows it) the rank's process is SIGKILLed from outside; ``scenario``
@@ -176,6 +177,7 @@ def run_job(
             start_method=start_method,
             group_rebuild=group_rebuild,
             run_as=run_as,
+            nonfinite_policy=nonfinite_policy,
         )
     )
     result: dict[str, int] = {}

@@ -264,7 +264,7 @@ def test_a_script_that_makes_its_own_default_group_is_told_the_fix_and_ends_at_o
     job = run_job(tmp_path, nproc=2, spares=1, script=unported, start_method=start_method)
     assert job.exit_code != 0
     [verdict] = job.decisions("fail_job")
-    assert verdict.failures == 1 and "cannot run the script" in verdict.reason
+    assert verdict.failures == 1 and "no replacement would do better" in verdict.reason
     assert "call flashrecovery.init_process_group() instead" in verdict.last_error
     assert job.decisions("assign_spare") == job.decisions("spawn_replacement") == []
     fatal = [r for r in job.records(type="rank_exited") if r.fatal]

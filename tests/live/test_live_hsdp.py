@@ -62,3 +62,16 @@ def test_two_shards_lost_together_restored_in_parallel(
     assert (last.donors, last.recipients) == ({0: 2, 1: 1}, [0, 3])
     moved = job.records(type="state_transferred")
     assert {m.rank: m.donor for m in moved if m.generation == last.generation} == {0: 2, 3: 1}
+
+
+def test_a_nan_in_one_shards_gradients_is_recomputed(
+    tmp_path: Path, hsdp_reference: torch.Tensor
+) -> None:
+    """The commit looks at each rank's local shard of its DTensor gradients: rank 3's NaN stops
+    the step on all four ranks, which compute it again (docs/hook.md, "Non-finite steps")."""
+    job = run_hsdp(tmp_path, fault_plan=["3:nan@6"])
+    assert_lossless(job, hsdp_reference, incidents=0, world=4)
+    reports = job.records(type="step_nonfinite")
+    assert [(r.rank, r.step, r.found, r.action) for r in reports] == [
+        (3, 6, "gradients", "recompute")
+    ]
