@@ -128,6 +128,7 @@ class JobStarted(Envelope):
     # links may be silent in the log this much longer before it is lost (absent in old logs: 0).
     log_hold_s: float = Field(default=0.0, ge=0)
     nonfinite_policy: NonFinitePolicy = NonFinitePolicy.FAIL  # absent in old logs: fail
+    verify_every: int = Field(default=0, ge=0)  # replicas compare state digests (0: never)
 
     @property
     def nproc_per_node(self) -> int:
@@ -262,6 +263,18 @@ class StepNonFinite(Envelope):
     found: str = Field(min_length=1)  # "loss nan", "gradients"
     attempt: int = Field(ge=1, le=2)
     action: Literal["recompute", "skip", "fail"]
+
+
+class StateDigest(Envelope):
+    """A rank's digest of its model and optimizer state as it began ``step`` (its committed
+    state; trainer_hooks/digest.py), sent when the step's vote found two replicas of a shard
+    holding different ones: the engine compares every member's and replaces the minority."""
+
+    type: Literal["state_digest"] = "state_digest"
+    rank: RankId
+    step: int = Field(ge=0)
+    shard: int = Field(ge=0)
+    digest: str = Field(min_length=1, max_length=64)
 
 
 class RankExited(Envelope):
@@ -628,6 +641,7 @@ EventRecord = Annotated[
     | SpareHeartbeat
     | StepCompleted
     | StepNonFinite
+    | StateDigest
     | RankExited
     | CollectiveError
     | HeartbeatMissed

@@ -264,14 +264,17 @@ def test_chaos_six_faults_all_recovered_bitwise_equal(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(280)
-def test_chaos_nan_faults_are_found_at_their_step_and_cost_no_incident(tmp_path: Path) -> None:
-    verdict, context, _ = run_chaos(tmp_path, "--faults", "2", "--seed", "0", "--kinds", "nan")
-    rows = verdict["faults"]
-    assert [(r["kind"], r["recovered"], r["detection_steps"]) for r in rows] == [
-        ("nan", True, 0),
-        ("nan", True, 0),
-    ], context
-    assert all(r["incidents"] == [] and "computed again" in r["notes"][0] for r in rows), context
+def test_chaos_value_faults_are_found_in_the_step_they_land_in(tmp_path: Path) -> None:
+    """A NaN costs no incident; a flipped bit costs one (the odd replica replaced), and the job
+    still ends bitwise equal to its reference: both were found before any rank stepped."""
+    verdict, context, _ = run_chaos(
+        tmp_path, "--faults", "2", "--seed", "0", "--kinds", "nan,bitflip", "--spares", "1"
+    )
+    rows = {r["kind"]: r for r in verdict["faults"]}
+    assert sorted(rows) == ["bitflip", "nan"], context
+    assert all(r["recovered"] and r["detection_steps"] == 0 for r in rows.values()), context
+    assert rows["nan"]["incidents"] == [] and "computed again" in rows["nan"]["notes"][0], context
+    assert len(rows["bitflip"]["incidents"]) == 1, context
 
 
 @pytest.mark.parametrize(

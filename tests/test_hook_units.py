@@ -103,6 +103,20 @@ def test_a_nonfinite_vote_closed_before_it_filled_aborts(store: dist.Store) -> N
     assert vote.close(store, full, 2) is vote.Verdict.NONFINITE
 
 
+def test_replicas_whose_digests_differ_make_a_full_vote_diverged(store: dist.Store) -> None:
+    """Two shards of two replicas: shard 1's differ. A closer of the full vote, which cannot
+    know whether its members compared, looks and agrees."""
+    key = vote.vote_key(7, 9)
+    ballots = ["0:aaaa", "1:bbbb", "0:aaaa", "1:cccc"]
+    verdicts = [vote.cast(store, key, 4, vote.Ballot(digest=d)) for d in ballots]
+    assert verdicts == [None, None, None, vote.Verdict.DIVERGED]
+    assert vote.close(store, key, 4) is vote.Verdict.DIVERGED
+    alike = vote.vote_key(7, 10)
+    verdicts = [vote.cast(store, alike, 4, vote.Ballot(digest=d)) for d in ["0:a", "1:b"] * 2]
+    assert verdicts[-1] is vote.Verdict.COMMITTED
+    assert not vote.diverged("0:a;1:b;0:a;1:b;") and vote.diverged("0:a; 0:b;")
+
+
 def test_a_count_tells_votes_nonfinite_ballots_and_closes_apart() -> None:
     """The largest world and every member non-finite stay below a close; closes stay apart."""
     world = vote.NONFINITE - 1

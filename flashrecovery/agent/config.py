@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 from flashrecovery.connectors import open_log
 from flashrecovery.errors import ConfigError, LogError
 from flashrecovery.records import NonFinitePolicy, StragglerPolicy, Stream
+from flashrecovery.trainer_hooks.digest import DEFAULT_VERIFY_EVERY
 from flashrecovery.trainer_hooks.env import GroupRebuild
 from flashrecovery.trainer_hooks.probe import ENV, FaultPlan
 
@@ -110,6 +111,7 @@ class AgentConfig:
     stall_floor_s: float = 5.0  # no step progress this long (at least) while peers wait: stall
     straggler_policy: StragglerPolicy = StragglerPolicy.REPORT  # a node whose link slows the job
     nonfinite_policy: NonFinitePolicy = NonFinitePolicy.FAIL  # a step non-finite twice
+    verify_every: int = DEFAULT_VERIFY_EVERY  # replicas compare state digests (0: never)
     external_engine: bool = False  # decisions come from `flashrecovery engine` services
     fault_plan: FaultPlan = field(
         default_factory=FaultPlan
@@ -191,6 +193,8 @@ class AgentConfig:
             raise ConfigError("--checkpoint-dir and --checkpoint-every go together")
         if self.checkpoint_every < 0:
             raise ConfigError(f"--checkpoint-every must be positive, got {self.checkpoint_every}")
+        if self.verify_every < 0:
+            raise ConfigError(f"--verify-every must be 0 (off) or more, got {self.verify_every}")
         if self.max_incidents is not None and self.max_incidents < 1:
             raise ConfigError(f"--max-incidents must be at least 1, got {self.max_incidents}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:

@@ -61,6 +61,7 @@ from flashrecovery.trainer_hooks.env import (
     GROUP_REBUILD,
     NODE_STORE,
     NONFINITE_POLICY,
+    VERIFY_EVERY,
 )
 from flashrecovery.trainer_hooks.heartbeat import HeartbeatThread
 
@@ -262,6 +263,7 @@ class Agent:
                 stall_floor_s=config.stall_floor_s,
                 straggler_policy=config.straggler_policy,
                 nonfinite_policy=config.nonfinite_policy,
+                verify_every=config.verify_every,
                 log_hold_s=self._log.write_hold_s,
                 max_replacements=config.max_replacements,
                 max_incidents=config.max_incidents,
@@ -472,6 +474,7 @@ class Agent:
             "FLASHRECOVERY_SHARDS": str(self.config.shards),
             GROUP_REBUILD: self.config.group_rebuild,
             NONFINITE_POLICY: self.config.nonfinite_policy,
+            VERIFY_EVERY: str(self.config.verify_every),
             **({probe.ENV: self.config.fault_plan.spec()} if self.config.fault_plan.faults else {}),
             **(
                 {final_state.ENV: str(self.config.final_state_dir.resolve())}

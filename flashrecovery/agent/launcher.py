@@ -17,6 +17,7 @@ from flashrecovery.observe.exporter import add_metrics_port
 from flashrecovery.options import add_job_option
 from flashrecovery.records import NonFinitePolicy, StragglerPolicy
 from flashrecovery.trainer_hooks import probe
+from flashrecovery.trainer_hooks.digest import DEFAULT_VERIFY_EVERY
 from flashrecovery.trainer_hooks.env import GroupRebuild
 
 NODE_RANK_OMITTED = -1  # no --node-rank given: decided by who can host the endpoint
@@ -128,6 +129,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a step whose loss or gradients hold a NaN or an infinity on any rank is stepped by "
         "no rank and computed again once; non-finite again, the job fails naming the rank and "
         "step (fail, the default) or every rank skips its batch (skip); docs/hook.md",
+    )
+    add(
+        "--verify-every",
+        type=int,
+        default=DEFAULT_VERIFY_EVERY,
+        metavar="K",
+        help="every K steps the replicas of each shard compare a digest of their model and "
+        "optimizer state in the step's vote; a replica that differs from the majority is "
+        f"replaced, restored from it (0: never; default {DEFAULT_VERIFY_EVERY}); docs/hook.md",
     )
     add(
         "--external-engine",
@@ -293,6 +303,7 @@ def run(args: argparse.Namespace) -> int:
                 stall_floor_s=args.stall_timeout,
                 straggler_policy=StragglerPolicy(args.straggler_policy),
                 nonfinite_policy=NonFinitePolicy(args.nonfinite_policy),
+                verify_every=args.verify_every,
                 external_engine=args.external_engine,
                 fault_plan=_fault_plan(),
                 final_state_dir=args.final_state,

@@ -38,6 +38,7 @@ from flashrecovery.chaos.schedule import (
     MID_INCIDENT,
     NETWORK,
     OUTSIDE_SIGNAL,
+    VERIFIED,
     PlannedFault,
 )
 from flashrecovery.chaos.verdict import Sent, judge
@@ -367,6 +368,10 @@ def _specs(
     options = ["--heartbeat-interval", str(args.heartbeat_interval)]
     options += ["--stall-timeout", str(args.stall_timeout)]
     options += ["--straggler-policy", str(args.straggler_policy)]
+    if any(f.kind in VERIFIED for f in plan.faults):
+        # Compared at every step: a flipped bit is found in the step it lands in, before any
+        # rank steps with it, so the job can still end bitwise equal to its reference.
+        options += ["--verify-every", "1"]
     chaos_options = [*options, "--final-state", str(run_dir / "final")]
     chaos_options += ["--output-dir", str(run_dir / "output")]
     if args.external_engine:

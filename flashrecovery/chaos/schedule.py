@@ -20,6 +20,10 @@ KINDS: dict[str, str] = {
     "raise": "an exception escapes a rank's training loop",
     "stall": "a rank stuck in its own code, heartbeats going on (found by the stall detector)",
     "nan": "a NaN in one rank's gradients (found by the commit: no rank steps, it is recomputed)",
+    "bitflip": (
+        "one bit of a rank's parameters flipped in its memory (found when the replicas compare "
+        "their state digests; the odd one is replaced and restored from the others)"
+    ),
     "donor": "a rank dies, then its donor dies mid-transfer (another replica donates)",
     "replacement": "a rank dies, then its replacement dies before its first commit",
     "regroup": "a rank dies, then a second one dies as the members regroup",
@@ -60,6 +64,7 @@ OUTSIDE_SIGNAL = {"sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP}
 MID_INCIDENT = ("engine_kill", "broker_restart")  # a rank SIGKILLed, then this
 IDLE_SPARE_SIGNAL = {"spare_kill": signal.SIGKILL, "spare_stop": signal.SIGSTOP}
 NO_INCIDENT = ("nan",)  # a fault of the values, not of a process: found, and no rank replaced
+VERIFIED = ("bitflip",)  # found by the replicas' state digests (a majority needs 3 replicas)
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,7 @@ class PlannedFault:
             "raise": [f"{self.rank}:raise@{self.step}"],
             "stall": [f"{self.rank}:stall@{self.step}"],
             "nan": [f"{self.rank}:nan@{self.step}"],
+            "bitflip": [f"{self.rank}:bitflip@{self.step}"],
             "donor": [first, f"{self.second}:donor_send@{during}"],
             "replacement": [first, first],
             "regroup": [first, f"{self.second}:regroup@{during}"],
@@ -138,7 +144,7 @@ def available_kinds(
     if nodes > 1 and netns:
         kinds += list(NETWORK)
     if nproc >= 3:
-        kinds += TWO_FAILURES
+        kinds += [*TWO_FAILURES, *VERIFIED]
     if spares:
         kinds += list(IDLE_SPARE_SIGNAL)
     if external_engine:

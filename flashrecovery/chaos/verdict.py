@@ -6,7 +6,7 @@ with no divergence, the survivors' processes kept, and no process left behind.""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from flashrecovery.chaos.schedule import (
     IDLE_SPARE_SIGNAL,
@@ -14,6 +14,7 @@ from flashrecovery.chaos.schedule import (
     NO_INCIDENT,
     NODE_LOST,
     SLOWED,
+    VERIFIED,
     PlannedFault,
 )
 from flashrecovery.connectors.base import LogConnector
@@ -32,6 +33,7 @@ from flashrecovery.records import (
     RetireSpare,
     SpareActivated,
     SpareReady,
+    StateDigest,
     StepNonFinite,
     StragglerFound,
     Stream,
@@ -191,13 +193,7 @@ def nonfinite_outcome(
 ) -> tuple[bool, list[str], int | None]:
     """A NaN put in a rank's gradients: whether that rank reported its step non-finite and the
     step was computed again (not skipped, not failed), and how many steps after the fault."""
-    reports = [
-        r
-        for e in log.read(Stream.EVENTS, job_id)
-        if isinstance(r := e.record, StepNonFinite)
-        and r.rank == fault.rank
-        and r.step >= fault.step
-    ]
+    reports = _reports(log, job_id, fault, StepNonFinite)
     if not reports:
         return False, [f"rank {fault.rank} did not report the NaN"], None
     first = reports[0]
@@ -208,6 +204,24 @@ def nonfinite_outcome(
         [f"found in step {first.step} ({first.found}), {said}"],
         first.step - fault.step,
     )
+
+
+R = TypeVar("R", StepNonFinite, StateDigest)
+
+
+def _reports(log: LogConnector, job_id: str, fault: PlannedFault, kind: type[R]) -> list[R]:
+    """The fault's rank's records of ``kind`` from the fault's step on."""
+    return [
+        r
+        for e in log.read(Stream.EVENTS, job_id)
+        if isinstance(r := e.record, kind) and r.rank == fault.rank and r.step >= fault.step
+    ]
+
+
+def digest_steps(log: LogConnector, job_id: str, fault: PlannedFault) -> int | None:
+    """Steps from a flipped bit to the vote whose digests found it (None: never found)."""
+    reports = _reports(log, job_id, fault, StateDigest)
+    return reports[0].step - fault.step if reports else None
 
 
 def _caused_by(fault: PlannedFault, rank: int, row: dict[str, Any]) -> bool:
@@ -286,7 +300,7 @@ def judge(
             recovered, said, detection, rto = spare_outcome(log, job_id, action)
             notes += said
             rtos = [] if rto is None else [rto]
-        detection_steps = None
+        detection_steps = digest_steps(log, job_id, fault) if fault.kind in VERIFIED else None
         if fault.kind in NO_INCIDENT:
             found_it, said, detection_steps = nonfinite_outcome(log, job_id, fault)
             recovered = found_it and not mine

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from flashrecovery.engine import links, planner, recovery
+from flashrecovery.engine import integrity, links, planner, recovery
 from flashrecovery.engine.context import Context
 from flashrecovery.engine.state import EngineState, NodeView, RankView, SpareStatus, SpareView
 from flashrecovery.errors import IllegalTransition, Rejected
@@ -43,6 +43,7 @@ from flashrecovery.records import (
     SpareMissed,
     SpareReady,
     StallSuspected,
+    StateDigest,
     StateTransferred,
     StepCompleted,
     StepNonFinite,
@@ -60,6 +61,7 @@ FENCED_TYPES = (
     Heartbeat,
     StepCompleted,
     StepNonFinite,
+    StateDigest,
     CollectiveError,
     RankRegrouped,
     StateTransferred,
@@ -393,6 +395,35 @@ def _step_nonfinite(ctx: Context, record: StepNonFinite) -> None:
     state.nonfinite[record.action] += 1
 
 
+def _state_digest(ctx: Context, record: StateDigest) -> None:
+    """A member's state as it began a step whose vote found replicas of a shard differing:
+    once every member's is in, the replicas that differ from their shard's majority are
+    replaced and restored from it; a shard with no majority can only fall back to the
+    latest checkpoint, or the job fails naming its ranks and the step."""
+    state = ctx.state
+    view = _member_holding_state(state, record.rank)
+    if record.step != view.committed_step + 1:
+        raise Rejected(
+            f"rank {record.rank} has committed step {view.committed_step}: it votes on "
+            f"{view.committed_step + 1}, not {record.step}"
+        )
+    shards = state.config.shards if state.config else 1
+    if record.shard != record.rank % shards:
+        raise Rejected(f"rank {record.rank} holds shard {record.rank % shards}, not {record.shard}")
+    reports = state.digests.setdefault(record.step, {})
+    reports[record.rank] = (record.shard, record.digest)
+    if len(reports) < state.world_size:
+        return
+    del state.digests[record.step]
+    outcome = integrity.compare(reports, record.step)
+    if not outcome.odd:
+        return
+    gives_up = None
+    if outcome.undecided and state.checkpoint is None:
+        gives_up = f"{outcome.reason}; no complete checkpoint to fall back to"
+    recovery.fail_ranks(ctx, outcome.odd, record.ts, outcome.reason, verdict=gives_up)
+
+
 def _rank_exited(ctx: Context, record: RankExited) -> None:
     state = ctx.state
     if state.node_lost(record.node):
@@ -573,6 +604,7 @@ HANDLERS: dict[type[Envelope], Callable[[Context, Any], None]] = {
     Heartbeat: _heartbeat,
     StepCompleted: _step_completed,
     StepNonFinite: _step_nonfinite,
+    StateDigest: _state_digest,
     RankExited: _rank_exited,
     CollectiveError: _collective_error,
     HeartbeatMissed: _heartbeat_missed,

@@ -70,10 +70,12 @@ def fail_ranks(
     reason: str,
     node: int | None = None,
     fatal: bool = False,
+    verdict: str | None = None,
 ) -> None:
     """Open one incident for the ranks that are alive in the current generation: isolate
-    them, then either end the job (a guard tripped) or choose their replacements and plan the
-    next generation, in one decide step."""
+    them, then either end the job (a guard tripped, or ``verdict`` says why nothing can
+    recover it) or choose their replacements and plan the next generation, in one decide
+    step."""
     state = ctx.state
     ranks = [r for r in ranks if state.ranks[r].machine.state in (*ALIVE, RankState.PENDING)]
     if not ranks:
@@ -110,7 +112,7 @@ def fail_ranks(
         ctx.fire(view.machine, Trigger.ISOLATE)
     ctx.fire(incident.machine, Trigger.ISOLATE)
     ctx.fire(state.job, Trigger.ISOLATE)
-    if _guard_tripped(ctx, ranks, reason, incident, fatal):
+    if _guard_tripped(ctx, ranks, reason, incident, fatal, verdict):
         return
 
     state.generation += 1
@@ -147,11 +149,17 @@ def _move_store(state: EngineState) -> str | None:
 
 
 def _guard_tripped(
-    ctx: Context, ranks: list[int], error: str, incident: Incident, fatal: bool = False
+    ctx: Context,
+    ranks: list[int],
+    error: str,
+    incident: Incident,
+    fatal: bool = False,
+    given_up: str | None = None,
 ) -> bool:
     """Count the failure of each rank at the job's committed step; fail the job instead of
-    recovering when one keeps failing there, when the job has had its allowed incidents, or
-    when the failure is ``fatal`` (the script cannot run: no replacement would do better)."""
+    recovering when one keeps failing there, when the job has had its allowed incidents, when
+    the failure is ``fatal`` (the script cannot run: no replacement would do better), or when
+    the caller ``given_up`` (why)."""
     state, config = ctx.state, ctx.state.config
     assert config is not None
     step = state.max_committed()
@@ -160,7 +168,9 @@ def _guard_tripped(
             state.failures[(r, step)] += 1
     rank = max(ranks, key=lambda r: state.failures[(r, step)])
     failures = state.failures[(rank, step)]
-    if fatal:
+    if given_up is not None:
+        verdict = given_up
+    elif fatal:
         verdict = f"rank {rank} ended with an error no replacement would do better on"
     elif failures and failures >= config.max_replacements:
         where = "before its first step" if step < 0 else f"at committed step {step}"

@@ -18,6 +18,7 @@ CHECKPOINT_DIR = "FLASHRECOVERY_CHECKPOINT_DIR"
 CHECKPOINT_EVERY = "FLASHRECOVERY_CHECKPOINT_EVERY"
 GROUP_REBUILD = "FLASHRECOVERY_GROUP_REBUILD"
 NONFINITE_POLICY = "FLASHRECOVERY_NONFINITE_POLICY"
+VERIFY_EVERY = "FLASHRECOVERY_VERIFY_EVERY"
 NODE_STORE = "FLASHRECOVERY_NODE_STORE"
 E = TypeVar("E", bound=StrEnum)
 
@@ -70,6 +71,7 @@ class LaunchEnv:
     checkpoint_every: int = 0  # save after every this many committed steps
     group_rebuild: GroupRebuild = GroupRebuild.FRESH
     nonfinite_policy: NonFinitePolicy = NonFinitePolicy.FAIL
+    verify_every: int = 0  # the replicas compare their states every this many steps
 
     @property
     def launch_store(self) -> str:
@@ -118,6 +120,7 @@ class LaunchEnv:
                 node_store=env.get(NODE_STORE) or f"{need('MASTER_ADDR')}:{need('MASTER_PORT')}",
                 group_rebuild=group_rebuild,
                 nonfinite_policy=nonfinite_policy,
+                verify_every=int(env.get(VERIFY_EVERY, "0")),
             )
         except ValueError as exc:
             raise LaunchError(f"bad launch environment: {exc}") from None

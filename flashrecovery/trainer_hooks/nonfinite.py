@@ -17,12 +17,12 @@ from collections.abc import Iterable
 import torch
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's local tensor (no collective), any other tensor as it is."""
     dtensor = sys.modules.get("torch.distributed.tensor")
     if dtensor is not None and isinstance(tensor, dtensor.DTensor):
-        local: torch.Tensor = tensor.to_local()
-        return local
+        shard: torch.Tensor = tensor.to_local()
+        return shard
     return tensor
 
 
@@ -34,9 +34,9 @@ def found(
         return f"loss {loss}"
     sums: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for gradient in gradients:
-        local = _local(gradient)
-        wide = torch.float32 if local.is_floating_point() and local.element_size() < 4 else None
-        total = local.sum(dtype=wide)
+        tensor = local(gradient)
+        wide = torch.float32 if tensor.is_floating_point() and tensor.element_size() < 4 else None
+        total = tensor.sum(dtype=wide)
         sums.setdefault((total.dtype, total.device), []).append(total)
     for group in sums.values():
         if not bool(torch.stack(group).isfinite().all()):
@@ -47,8 +47,8 @@ def found(
 def poison(gradients: Iterable[torch.Tensor]) -> None:
     """The ``nan`` fault (probe.py): the first element of the first non-empty gradient is NaN."""
     for gradient in gradients:
-        local = _local(gradient)
-        if local.numel():
+        tensor = local(gradient)
+        if tensor.numel():
             with torch.no_grad():
-                local[(0,) * local.dim()] = math.nan
+                tensor[(0,) * tensor.dim()] = math.nan
             return

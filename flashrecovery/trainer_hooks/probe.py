@@ -19,7 +19,8 @@ detectors can find it; ``stall`` blocks the training thread forever before the s
 while the process (and its heartbeats) live on, so only the stall detector can find it; ``nan``
 makes one of the rank's gradients NaN before the commit looks at them (trainer_hooks/nonfinite.py),
 a fault of the values that the process lives through (plan it twice at one step for a step that
-is non-finite when recomputed too). During a
+is non-finite when recomputed too); ``bitflip`` flips one bit of one of its parameters (a silent
+corruption of its state, found when the replicas compare their states: digest.py). During a
 recovery, at the member's committed step: ``regroup`` SIGKILLs a member as it starts to join a
 new generation, ``group_build`` as it starts to build the generation's group (its ring
 neighbours wait for it while theirs form), and ``donor_send`` kills a donor in the middle of
@@ -61,6 +62,7 @@ class Action(StrEnum):
     HANG = "hang"
     STALL = "stall"
     NAN = "nan"  # done by the caller: the probe has no hold on the values
+    BITFLIP = "bitflip"  # likewise
 
 
 class InjectedFault(RuntimeError):

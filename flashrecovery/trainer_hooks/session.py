@@ -29,12 +29,21 @@ from flashrecovery.records import (
     NonFinitePolicy,
     RankFinished,
     RankJoined,
+    StateDigest,
     StepCompleted,
     StepNonFinite,
 )
 from flashrecovery.statemachines.base import Trigger
 from flashrecovery.statemachines.session import SessionMachine, SessionState
-from flashrecovery.trainer_hooks import ddp, final_state, inflight, nonfinite, stable_group, vote
+from flashrecovery.trainer_hooks import (
+    ddp,
+    digest,
+    final_state,
+    inflight,
+    nonfinite,
+    stable_group,
+    vote,
+)
 from flashrecovery.trainer_hooks.env import LaunchEnv, Role
 from flashrecovery.trainer_hooks.gradients import ReducedGradients
 from flashrecovery.trainer_hooks.heartbeat import HeartbeatThread
@@ -359,8 +368,11 @@ class Session:
         model, optimizer = state.model, state.optimizer
         assert model is not None and optimizer is not None
         step = state.committed_step + 1
-        if self._probe(Point.BEFORE_REDUCE, member.rank, step) is Action.NAN:
+        fault = self._probe(Point.BEFORE_REDUCE, member.rank, step)
+        if fault is Action.NAN:
             nonfinite.poison(_gradients(model))
+        elif fault is Action.BITFLIP:
+            digest.flip_bit(model)
         self._machine.fire(Trigger.VOTE)  # heartbeats now say: held up by the peers, if anyone
         try:
             reduced = None
@@ -384,6 +396,7 @@ class Session:
             ballot = vote.Ballot(
                 None if found is None else f"rank {self.rank}: {found}",
                 again=state.nonfinite_step == step,
+                digest=self._digest(step),
             )
             verdict = member.vote(step, self._step_record, ballot, self._attempt(step))
         if verdict is vote.Verdict.COMMITTED:
@@ -397,9 +410,24 @@ class Session:
         if verdict in (vote.Verdict.NONFINITE, vote.Verdict.NONFINITE_AGAIN):
             self._discard(step, verdict is vote.Verdict.NONFINITE_AGAIN, found, loss)
             return False
+        if verdict is vote.Verdict.DIVERGED and ballot.digest is not None:
+            # The engine compares every member's and replaces the minority: a recovery.
+            shard, _, held = ballot.digest.partition(":")
+            member.append(StateDigest, rank=self.rank, step=step, shard=int(shard), digest=held)
         state.abort_step()
         self._recovery.recover()
         return False
+
+    def _digest(self, step: int) -> str | None:
+        """``shard:digest`` of this member's state, on a step whose vote compares the replicas'
+        (every ``--verify-every`` steps, where a shard has more than one)."""
+        env, state = self._env, self._state
+        every = env.verify_every
+        if not every or env.world_size == env.shards or (step + 1) % every:
+            return None
+        assert state.model is not None and state.optimizer is not None
+        held = digest.state_digest(state.model, state.optimizer)
+        return f"{self._member.shard_of(self.rank)}:{held}"
 
     def _attempt(self, step: int) -> int:
         """How many votes on ``step`` this generation found it non-finite."""

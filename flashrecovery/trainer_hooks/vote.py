@@ -16,7 +16,9 @@ vote, having first written what it found under the vote's key: a full vote with 
 addition says "non-finite" instead of "committed", and no member steps. A member that saw the
 same step's earlier attempt end so says it before it votes (``/again``), so every member learns
 together whether this is the step's first non-finite attempt or its recompute, even a
-replacement that never saw the first.
+replacement that never saw the first. On a step the replicas compare their states (``--verify-
+every``), each member appends its shard's digest under the vote's key before it votes: a full
+vote whose digests differ within a shard says "diverged", and nobody steps (digest.py).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class Verdict(StrEnum):
     ABORTED = "aborted"
     NONFINITE = "nonfinite"  # every member voted, some step was not finite: nobody steps
     NONFINITE_AGAIN = "nonfinite-again"  # and so was the step's attempt before
+    DIVERGED = "diverged"  # every member voted, two replicas of a shard hold different states
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ class Ballot:
 
     nonfinite: str | None = None  # what of it was NaN or infinite, in a few words
     again: bool = False  # this member saw the step's last attempt end non-finite
+    digest: str | None = None  # "shard:digest" of its state, on a step the replicas compare
 
 
 FINITE = Ballot()
@@ -66,6 +70,10 @@ def _finish(store: dist.Store, key: str, verdict: Verdict) -> Verdict:
     return verdict
 
 
+def _append(store: dist.Store, key: str, value: str) -> None:
+    store.append(key, value)  # type: ignore[attr-defined]  # torch's (2.3 on), not in its stubs
+
+
 def _tally(count: int) -> tuple[int, int, int]:
     """(closes, non-finite votes, votes) of a vote's count."""
     closes, rest = divmod(count, CLOSED)
@@ -73,8 +81,23 @@ def _tally(count: int) -> tuple[int, int, int]:
     return closes, nonfinite, votes
 
 
-def _full(store: dist.Store, key: str, nonfinite: int) -> Verdict:
-    """The verdict of a vote every member cast."""
+def diverged(digests: str) -> bool:
+    """Whether two of the ``shard:digest;`` entries name one shard with different digests."""
+    seen: dict[str, str] = {}
+    for entry in filter(None, digests.split(";")):
+        shard, _, digest = entry.strip().partition(":")
+        if seen.setdefault(shard, digest) != digest:
+            return True
+    return False
+
+
+def _full(store: dist.Store, key: str, nonfinite: int, verify: bool | None) -> Verdict:
+    """The verdict of a vote every member cast (``verify``: whether its members compared
+    their states; None: not known here, look)."""
+    if verify is None:
+        verify = store.check([f"{key}/digests"])
+    if verify and diverged(store.get(f"{key}/digests").decode()):
+        return Verdict.DIVERGED  # first: a corrupted state may well compute a NaN
     if not nonfinite:
         return Verdict.COMMITTED
     return Verdict.NONFINITE_AGAIN if store.check([f"{key}/again"]) else Verdict.NONFINITE
@@ -84,15 +107,16 @@ def cast(store: dist.Store, key: str, world_size: int, ballot: Ballot = FINITE) 
     """Add this member's vote; the verdict if the vote is now final, else None (wait for it)."""
     if ballot.again:
         store.set(f"{key}/again", "1")
+    if ballot.digest is not None:
+        _append(store, f"{key}/digests", f"{ballot.digest};")
     if ballot.nonfinite is not None:
-        # Store.append is torch's (2.3 on), missing from its type stubs
-        store.append(f"{key}/nonfinite", f"{ballot.nonfinite}; ")  # type: ignore[attr-defined]
+        _append(store, f"{key}/nonfinite", f"{ballot.nonfinite}; ")
     count = store.add(key, 1 + (NONFINITE if ballot.nonfinite is not None else 0))
     closes, nonfinite, votes = _tally(count)
     if closes:  # closed before this vote came: it was not full then
         return _finish(store, key, Verdict.ABORTED)
     if votes == world_size:
-        return _finish(store, key, _full(store, key, nonfinite))
+        return _finish(store, key, _full(store, key, nonfinite, ballot.digest is not None))
     return None
 
 
@@ -109,7 +133,8 @@ def close(store: dist.Store, key: str, world_size: int) -> Verdict:
     closes, nonfinite, votes = _tally(store.add(key, CLOSED))
     if closes == 1:
         full = votes == world_size
-        return _finish(store, key, _full(store, key, nonfinite) if full else Verdict.ABORTED)
+        verdict = _full(store, key, nonfinite, None) if full else Verdict.ABORTED
+        return _finish(store, key, verdict)
     if votes < world_size:
         return _finish(store, key, Verdict.ABORTED)
     return Verdict(store.get(f"{key}/verdict").decode())  # the first closer publishes it

@@ -26,6 +26,7 @@ from flashrecovery.agent.config import RunAs
 from flashrecovery.connectors import LogConnector, open_log
 from flashrecovery.connectors.follow import StreamCursor
 from flashrecovery.records import Envelope, NonFinitePolicy, Stream
+from flashrecovery.trainer_hooks.digest import DEFAULT_VERIFY_EVERY
 from flashrecovery.trainer_hooks.probe import FaultPlan
 
 SCRIPT = Path(__file__).parent.parent / "scripts" / "train_mlp.py"
@@ -146,6 +147,7 @@ def run_job(
     group_rebuild: str = "fresh",
     run_as: RunAs = RunAs.SCRIPT,
     nonfinite_policy: NonFinitePolicy = NonFinitePolicy.FAIL,
+    verify_every: int = DEFAULT_VERIFY_EVERY,
 ) -> JobResult:
     """Run the training script on ``nproc`` ranks; ``kill_at`` maps rank -> the step after whose
     commit (as the log shows it) the rank's process is SIGKILLed from outside; ``scenario``
@@ -178,6 +180,7 @@ def run_job(
             group_rebuild=group_rebuild,
             run_as=run_as,
             nonfinite_policy=nonfinite_policy,
+            verify_every=verify_every,
         )
     )
     result: dict[str, int] = {}
