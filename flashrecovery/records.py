@@ -265,6 +265,19 @@ class StepNonFinite(Envelope):
     action: Literal["recompute", "skip", "fail"]
 
 
+class StepRetried(Envelope):
+    """The step's vote was aborted and no newer generation was planned within ``waited_s``:
+    no failure was behind it that the engine acts on (a close by mistake, or by someone with
+    the store's keys), so the members vote on the step again (``attempt``: its votes so far in
+    this generation), never waiting on a plan that does not come."""
+
+    type: Literal["step_retried"] = "step_retried"
+    rank: RankId
+    step: int = Field(ge=0)
+    attempt: int = Field(ge=1)
+    waited_s: float = Field(ge=0)
+
+
 class StateDigest(Envelope):
     """A rank's digest of its model and optimizer state as it began ``step`` (its committed
     state; trainer_hooks/digest.py), sent when the step's vote found two replicas of a shard
@@ -641,6 +654,7 @@ EventRecord = Annotated[
     | SpareHeartbeat
     | StepCompleted
     | StepNonFinite
+    | StepRetried
     | StateDigest
     | RankExited
     | CollectiveError

@@ -43,6 +43,7 @@ SAMPLE_FIELDS: dict[str, dict[str, Any]] = {
         "attempt": 1,
         "action": "recompute",
     },
+    "step_retried": {"rank": 1, "step": 3, "attempt": 1, "waited_s": 3.0},
     "state_digest": {"rank": 1, "step": 3, "shard": 0, "digest": "91c667fc90dc98d2"},
     "rank_exited": {"rank": 0, "pid": 1001, "signal": 9},
     "collective_error": {"rank": 1, "step": 3, "error": "peer vanished"},

@@ -47,6 +47,7 @@ from flashrecovery.records import (
     StateTransferred,
     StepCompleted,
     StepNonFinite,
+    StepRetried,
     StragglerCleared,
     StragglerFound,
     StragglerPolicy,
@@ -61,6 +62,7 @@ FENCED_TYPES = (
     Heartbeat,
     StepCompleted,
     StepNonFinite,
+    StepRetried,
     StateDigest,
     CollectiveError,
     RankRegrouped,
@@ -385,14 +387,27 @@ def _step_completed(ctx: Context, record: StepCompleted) -> None:
 def _step_nonfinite(ctx: Context, record: StepNonFinite) -> None:
     """Counted, nothing to decide: the vote kept the step from every member and told each
     what to do (docs/hook.md, "Non-finite steps"). Believed only of the step the rank is in."""
-    state = ctx.state
-    view = _member_holding_state(state, record.rank)
-    if record.step != view.committed_step + 1:
+    _in_step(ctx.state, record.rank, record.step)
+    ctx.state.nonfinite[record.action] += 1
+
+
+def _step_retried(ctx: Context, record: StepRetried) -> None:
+    """Counted, nothing to decide: a vote closed with nobody failed behind it (no plan came)
+    is voted on again by the members (docs/protocol.md, "A step"); a failure that did close
+    it is acted on when its own record comes."""
+    _in_step(ctx.state, record.rank, record.step)
+    ctx.state.retried += 1
+
+
+def _in_step(state: EngineState, rank: int, step: int) -> RankView:
+    """The view of ``rank``, a member holding state whose step in progress is ``step``."""
+    view = _member_holding_state(state, rank)
+    if step != view.committed_step + 1:
         raise Rejected(
-            f"rank {record.rank} has committed step {view.committed_step}: its step in "
-            f"progress is {view.committed_step + 1}, not {record.step}"
+            f"rank {rank} has committed step {view.committed_step}: its step in progress is "
+            f"{view.committed_step + 1}, not {step}"
         )
-    state.nonfinite[record.action] += 1
+    return view
 
 
 def _state_digest(ctx: Context, record: StateDigest) -> None:
@@ -401,12 +416,7 @@ def _state_digest(ctx: Context, record: StateDigest) -> None:
     replaced and restored from it; a shard with no majority can only fall back to the
     latest checkpoint, or the job fails naming its ranks and the step."""
     state = ctx.state
-    view = _member_holding_state(state, record.rank)
-    if record.step != view.committed_step + 1:
-        raise Rejected(
-            f"rank {record.rank} has committed step {view.committed_step}: it votes on "
-            f"{view.committed_step + 1}, not {record.step}"
-        )
+    _in_step(state, record.rank, record.step)
     shards = state.config.shards if state.config else 1
     if record.shard != record.rank % shards:
         raise Rejected(f"rank {record.rank} holds shard {record.rank % shards}, not {record.shard}")
@@ -604,6 +614,7 @@ HANDLERS: dict[type[Envelope], Callable[[Context, Any], None]] = {
     Heartbeat: _heartbeat,
     StepCompleted: _step_completed,
     StepNonFinite: _step_nonfinite,
+    StepRetried: _step_retried,
     StateDigest: _state_digest,
     RankExited: _rank_exited,
     CollectiveError: _collective_error,

@@ -302,6 +302,7 @@ class EngineState:
     links: LinkBook = field(default_factory=LinkBook)  # the agents' probes of each other
     stragglers: set[int] = field(default_factory=set)  # nodes named, until their links heal
     nonfinite: Counter[str] = field(default_factory=Counter)  # action -> StepNonFinite records
+    retried: int = 0  # StepRetried records: votes closed with no failure behind them
     # step -> rank -> (shard, digest): the members' states as a diverged vote left them
     digests: dict[int, dict[int, tuple[int, str]]] = field(default_factory=dict)
 

@@ -133,6 +133,14 @@ class DecisionFollower:
                     raise TimeoutError(f"no recovery decision within {timeout:.0f}s")
                 self._changed.wait(left)
 
+    def regroup_coming(self, after: int, timeout: float) -> bool:
+        """Whether a generation above ``after`` is planned within ``timeout``."""
+        try:
+            self.wait_regroup(after, timeout)
+        except TimeoutError:
+            return False
+        return True
+
     def wait_regroup(self, after: int, timeout: float) -> RegroupPlanned:
         """The plan of the newest generation above ``after``."""
         return self._wait(

@@ -22,7 +22,7 @@ _AS_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 DIGEST_CHARS = 16  # of the SHA-256's hex: what a vote and a record carry
 # `flashrecovery run --verify-every`: one pass over the state every this many steps keeps its
 # share of a step small (docs/benchmarks.md); a corruption is found this many steps late at most.
-DEFAULT_VERIFY_EVERY = 10
+DEFAULT_VERIFY_EVERY = 20
 
 
 def _tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:

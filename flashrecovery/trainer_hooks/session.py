@@ -32,6 +32,7 @@ from flashrecovery.records import (
     StateDigest,
     StepCompleted,
     StepNonFinite,
+    StepRetried,
 )
 from flashrecovery.statemachines.base import Trigger
 from flashrecovery.statemachines.session import SessionMachine, SessionState
@@ -56,6 +57,7 @@ from flashrecovery.trainer_hooks.training_state import Stateful, TrainingState
 if TYPE_CHECKING:
     from flashrecovery.trainer_hooks.checkpoint import Checkpointer
 
+ABORT_GRACE_BEATS = 3  # heartbeat intervals an aborted vote waits for a plan before its retry
 T = TypeVar("T")
 R = TypeVar("R")
 S = SessionState
@@ -73,8 +75,9 @@ class Session:
         self._state = TrainingState()
         self._step_record = 0  # the number of this rank's last StepCompleted handed over
         self._step_started = 0.0
-        # (generation, step, attempts voted non-finite): the step's next vote is its own
-        self._discarded = (-1, -1, 0)
+        # (generation, step, votes on it that ended with no step and no regroup): the step's
+        # next vote is a new one, under its own key
+        self._revotes = (-1, -1, 0)
         self._batches_ended: int | None = None  # the epoch whose batches() loop ended
         self._checkpoints = None if env.checkpoint_dir is None else self._checkpointer()
         # Test-only faults (trainer_hooks/probe.py): without a plan it does nothing.
@@ -415,8 +418,26 @@ class Session:
             shard, _, held = ballot.digest.partition(":")
             member.append(StateDigest, rank=self.rank, step=step, shard=int(shard), digest=held)
         state.abort_step()
+        if verdict is vote.Verdict.ABORTED and failure is None and self._vote_again(step):
+            return False
         self._recovery.recover()
         return False
+
+    def _vote_again(self, step: int) -> bool:
+        """Whether an aborted vote with no failure seen here is voted on again: no newer
+        generation was planned within a few heartbeats, the time the engine takes to act on a
+        failure its detectors see, so none will be (a vote closed by mistake). Retrying is
+        safe either way: a peer that did fail holds the retry's collectives up until its plan
+        supersedes them."""
+        member = self._member
+        waited = ABORT_GRACE_BEATS * self._env.heartbeat_interval_s
+        if member.follower.regroup_coming(member.generation, waited):
+            return False
+        attempt = self._attempt(step) + 1
+        self._revotes = (member.generation, step, attempt)
+        member.append(StepRetried, rank=self.rank, step=step, attempt=attempt, waited_s=waited)
+        self._machine.fire(Trigger.DISCARD)
+        return True
 
     def _digest(self, step: int) -> str | None:
         """``shard:digest`` of this member's state, on a step whose vote compares the replicas'
@@ -430,8 +451,9 @@ class Session:
         return f"{self._member.shard_of(self.rank)}:{held}"
 
     def _attempt(self, step: int) -> int:
-        """How many votes on ``step`` this generation found it non-finite."""
-        generation, discarded, attempts = self._discarded
+        """How many votes on ``step`` in this generation ended with no step and no regroup
+        (non-finite, or aborted with nobody failed)."""
+        generation, discarded, attempts = self._revotes
         return attempts if (generation, discarded) == (self._member.generation, step) else 0
 
     def _advance(self, step: int, loss: float | None, skipped: bool = False) -> None:
@@ -457,7 +479,7 @@ class Session:
         member, state = self._member, self._state
         policy = self._env.nonfinite_policy
         attempt = self._attempt(step)
-        self._discarded = (member.generation, step, attempt + 1)
+        self._revotes = (member.generation, step, attempt + 1)
         if found is not None:
             member.append(
                 StepNonFinite,

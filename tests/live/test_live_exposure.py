@@ -15,7 +15,7 @@ import torch
 from livejob import STEPS, WORLD, Processes, run_job
 
 from flashrecovery.records import Envelope, StepCompleted
-from flashrecovery.trainer_hooks import barrier, vote
+from flashrecovery.trainer_hooks import barrier, groups, vote
 
 pytestmark = pytest.mark.timeout(240)
 LOOPBACK = {"127.0.0.1", "::1"}
@@ -116,3 +116,47 @@ def test_a_job_listens_on_loopback_only_and_ignores_forged_keys(
         assert torch.equal(job.final(rank)["params"], reference), f"rank {rank} diverged"
     assert not job.decisions("isolate_rank") and not job.records(type="spare_activated")
     assert job.records(type="collective_error") == []
+
+
+HELD_AT, CLOSED_AT = 6, 8
+
+
+class Closer:
+    """A scenario step: a process holding the job's secret (read where `--start-method exec`
+    leaves it) closes the vote of a step ahead, with no failure behind it, then opens the gate
+    the ranks wait at before step HELD_AT."""
+
+    def __init__(self, gate: Path) -> None:
+        self.gate = gate
+
+    def __call__(self, record: Envelope, known: Processes) -> bool:
+        if not isinstance(record, StepCompleted) or len(known.ranks) < WORLD:
+            return False
+        environ = psutil.Process(known.ranks[0]).environ()
+        store = groups.connect_store(
+            f"127.0.0.1:{environ['MASTER_PORT']}", environ["FLASHRECOVERY_STORE_PREFIX"]
+        )
+        assert vote.close(store, vote.vote_key(0, CLOSED_AT), WORLD) is vote.Verdict.ABORTED
+        self.gate.touch()
+        return True
+
+
+def test_a_vote_closed_with_no_failure_behind_it_is_voted_on_again(
+    tmp_path: Path, reference: torch.Tensor
+) -> None:
+    """Every rank finds the step aborted and no plan coming: within a few heartbeats each says
+    so (StepRetried) and votes again under the step's next key; nobody is replaced and the run
+    ends as without it."""
+    gate = tmp_path / "gate"
+    job = run_job(
+        tmp_path,
+        scenario=[Closer(gate)],
+        start_method="exec",
+        script_args=["--hold-at", str(HELD_AT), "--hold-file", str(gate)],
+    )
+    assert job.exit_code == 0, job.records(type="job_finished")
+    for rank in range(WORLD):
+        assert torch.equal(job.final(rank)["params"], reference), f"rank {rank} diverged"
+    retried = sorted((r.rank, r.step, r.attempt) for r in job.records(type="step_retried"))
+    assert retried == [(rank, CLOSED_AT, 1) for rank in range(WORLD)]
+    assert not job.decisions("isolate_rank") and not job.decisions("regroup_planned")
