@@ -16,6 +16,8 @@ from collections.abc import Iterable
 
 import torch
 
+_NARROW = {torch.float16, torch.bfloat16}  # summed in float32: a large finite sum stays finite
+
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's local tensor (no collective), any other tensor as it is."""
@@ -32,16 +34,19 @@ def found(
     """What is NaN or infinite in a step, in a few words ("loss nan", ``what``), else None."""
     if loss is not None and not math.isfinite(loss):
         return f"loss {loss}"
-    sums: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for gradient in gradients:
-        tensor = local(gradient)
-        wide = torch.float32 if tensor.is_floating_point() and tensor.element_size() < 4 else None
-        total = tensor.sum(dtype=wide)
-        sums.setdefault((total.dtype, total.device), []).append(total)
-    for group in sums.values():
-        if not bool(torch.stack(group).isfinite().all()):
-            return what
-    return None
+    if sys.modules.get("torch.distributed.tensor") is not None:
+        gradients = [local(g) for g in gradients]
+    sums = [g.sum(dtype=torch.float32 if g.dtype in _NARROW else None) for g in gradients]
+    if not sums:
+        return None
+    if len({(s.dtype, s.device) for s in sums}) > 1:  # stacked per dtype and device
+        kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for total in sums:
+            kinds.setdefault((total.dtype, total.device), []).append(total)
+        finite = all(bool(torch.stack(group).isfinite().all()) for group in kinds.values())
+    else:
+        finite = bool(torch.stack(sums).isfinite().all())
+    return None if finite else what
 
 
 def poison(gradients: Iterable[torch.Tensor]) -> None:
