@@ -81,4 +81,4 @@ def test_a_digest_of_another_step_or_shard_is_rejected() -> None:
     wrong_shard = digests(world, ["a"])[0].model_copy(update={"shard": 1})
     assert drive(log, engine, world, [wrong_step, wrong_shard]) == []
     reasons = " | ".join(engine.state.rejected)
-    assert "it votes on 3, not 7" in reasons and "holds shard 0, not 1" in reasons
+    assert "its step in progress is 3, not 7" in reasons and "holds shard 0, not 1" in reasons
