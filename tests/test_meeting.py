@@ -44,15 +44,28 @@ def gone_endpoint() -> str:
 
 
 @pytest.fixture
+def frozen_endpoint() -> Iterator[str]:
+    """Where a store's host froze (SIGSTOP, or a process in the middle of dying): its socket
+    still takes connections, nobody answers on them."""
+    with socket.create_server(("127.0.0.1", 0), backlog=16) as listener:
+        yield f"127.0.0.1:{listener.getsockname()[1]}"
+
+
+@pytest.fixture(params=["gone", "frozen"])
+def lost_endpoint(request: pytest.FixtureRequest) -> str:
+    return str(request.getfixturevalue(f"{request.param}_endpoint"))
+
+
+@pytest.fixture
 def stores() -> Iterator[tuple[JobStore, JobStore]]:
     yield JobStore.open(TIMEOUT, prefix=PREFIX), JobStore.open(TIMEOUT, prefix=PREFIX)
 
 
-def test_the_end_is_read_from_the_store_a_plan_moved_the_meeting_to_while_the_old_one_is_gone(
-    gone_endpoint: str, stores: tuple[JobStore, JobStore]
+def test_the_end_is_read_from_the_store_a_plan_moved_the_meeting_to_while_the_old_one_is_lost(
+    lost_endpoint: str, stores: tuple[JobStore, JobStore]
 ) -> None:
     own, new_host = stores
-    meeting = _SeenAsking(own, gone_endpoint)
+    meeting = _SeenAsking(own, lost_endpoint)
     end = EndWatch(meeting, lambda: 1)
     try:
         assert meeting.asked_first.wait(TIMEOUT.total_seconds())
@@ -65,7 +78,7 @@ def test_the_end_is_read_from_the_store_a_plan_moved_the_meeting_to_while_the_ol
         new_host.keys.add(f"{key}/arrived", 1)  # one member arrived, the other passes it
         assert barrier.wait(new_host.keys, key, 2, TIMEOUT)
         # The new store's host waits this long for this agent's word that it saw the end.
-        assert end.passed.wait(NODES_DONE_WAIT_S), "the watch still waits on the gone store"
+        assert end.passed.wait(NODES_DONE_WAIT_S), "the watch still waits on the lost store"
     finally:
         end.close()
 
@@ -74,6 +87,12 @@ def test_a_gone_store_is_away_at_once_and_says_where(gone_endpoint: str) -> None
     own = JobStore.open(TIMEOUT, prefix=PREFIX)
     with pytest.raises(ConfigError, match=f"meeting store at {gone_endpoint} is away"):
         Meeting(own, gone_endpoint).keys()
+
+
+def test_a_frozen_store_is_given_up_on_within_the_connect_timeout(frozen_endpoint: str) -> None:
+    own = JobStore.open(TIMEOUT, prefix=PREFIX)
+    with pytest.raises(ConfigError, match=f"meeting store at {frozen_endpoint} does not answer"):
+        Meeting(own, frozen_endpoint).keys()
 
 
 def test_an_assigned_spare_moves_the_meeting_before_the_plan_does(

@@ -15,11 +15,15 @@ watch itself wait on a lost store once a plan moved the meeting: torch's client 
 refused connection for its whole timeout, several times over (13 s seen), by when the new
 store's host may have ended the job and gone. A plain connection tried first tells a store
 that is gone (refused at once) or cut off (no answer within ``PROBE_S``) from one that is there.
+A socket that takes connections with nobody serving it (a host frozen, or in the middle of
+dying) passes that test, and torch's client then waits for its greeting for ever, whatever its
+timeout: the client is made on a thread of its own, given up on after ``CONNECT_TIMEOUT``.
 """
 
 from __future__ import annotations
 
 import datetime
+import queue
 import socket
 import threading
 import time
@@ -67,7 +71,23 @@ class Meeting:
             socket.create_connection((host, int(port)), timeout=PROBE_S).close()
         except OSError as exc:
             raise ConfigError(f"the meeting store at {self.endpoint} is away: {exc}") from None
-        return JobStore.connect(host, int(port), self._own.prefix, CONNECT_TIMEOUT).keys
+        made: queue.SimpleQueue[dist.Store | Exception] = queue.SimpleQueue()
+
+        def connect() -> None:
+            try:
+                made.put(JobStore.connect(host, int(port), self._own.prefix, CONNECT_TIMEOUT).keys)
+            except (RuntimeError, ConfigError) as exc:
+                made.put(exc)
+
+        # Daemon: a client stuck on a frozen host must not hold the agent's exit either.
+        threading.Thread(target=connect, name="flashrecovery-meet", daemon=True).start()
+        try:
+            keys = made.get(timeout=CONNECT_TIMEOUT.total_seconds())
+        except queue.Empty:
+            raise ConfigError(f"the meeting store at {self.endpoint} does not answer") from None
+        if isinstance(keys, Exception):
+            raise keys
+        return keys
 
 
 class EndWatch:
