@@ -47,3 +47,14 @@ def test_the_nan_fault_poisons_the_first_gradient_that_has_elements() -> None:
     assert math.isnan(grads[1][0, 0]) and grads[1].isnan().sum() == 1
     assert not grads[2].isnan().any()
     assert nonfinite.found(None, grads) == "gradients"
+
+
+@pytest.mark.parametrize(("world", "shards"), [(1, 1), (2, 1), (4, 1), (4, 2), (6, 3), (8, 4)])
+def test_reduced_gradients_are_looked_at_once_per_shard_and_step(world: int, shards: int) -> None:
+    replicas = world // shards
+    for step in range(3 * replicas):
+        lookers = [r for r in range(world) if nonfinite.looks(step, r, world, shards, True)]
+        assert sorted(r % shards for r in lookers) == list(range(shards)), (step, lookers)
+    for rank in range(world):  # every replica takes its turn
+        assert any(nonfinite.looks(step, rank, world, shards, True) for step in range(replicas))
+        assert all(nonfinite.looks(step, rank, world, shards, False) for step in range(replicas))

@@ -40,21 +40,27 @@ def _tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Iterat
 def bit_sum(tensor: torch.Tensor) -> torch.Tensor:
     """The sum of a tensor's elements read as integers of their size, wrapping at that size:
     a flipped bit k changes it by 2**k, never a multiple of 2**size; and a sum as wide as its
-    elements runs as fast as a float sum (widened to int64 it is 30x slower here)."""
+    elements runs as fast as a float sum (widened to int64 it is 30x slower here). A 0-d
+    tensor of that integer type."""
     tensor = local(tensor).detach()
     if tensor.is_complex():
         tensor = torch.view_as_real(tensor)
     if tensor.dtype is torch.bool or tensor.is_floating_point():
         tensor = tensor.view(_AS_INT[tensor.element_size()])
-    return tensor.sum(dtype=tensor.dtype).to(torch.int64)
+    return tensor.sum(dtype=tensor.dtype)
 
 
 def state_digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
-    sums = [bit_sum(t) for t in _tensors(model, optimizer)]
-    if not sums:
-        return hashlib.sha256(b"").hexdigest()[:DIGEST_CHARS]
-    packed = torch.stack([s.cpu() for s in sums]).numpy().tobytes()
-    return hashlib.sha256(packed).hexdigest()[:DIGEST_CHARS]
+    """The sums are stacked per integer type and device, and only the stacks leave the device:
+    per tensor, one sum and nothing else (4.5 -> 2.7 ms for the bench GPT's 305 tensors)."""
+    stacks: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for tensor in _tensors(model, optimizer):
+        total = bit_sum(tensor)
+        stacks.setdefault((total.dtype, total.device), []).append(total)
+    digest = hashlib.sha256()
+    for kind in sorted(stacks, key=str):  # an order every replica shares
+        digest.update(torch.stack(stacks[kind]).cpu().numpy().tobytes())
+    return digest.hexdigest()[:DIGEST_CHARS]
 
 
 def flip_bit(model: torch.nn.Module, bit: int = 22) -> None:

@@ -28,6 +28,14 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def looks(step: int, rank: int, world: int, shards: int, reduced: bool) -> bool:
+    """Whether a rank looks at its gradients in ``step``. Every rank does where they are its
+    own; once DDP or FSDP2 reduced them, every replica of a shard holds them bitwise alike (a
+    NaN anywhere before the reduce is in all of them), so the replicas take turns: one look per
+    shard and step, each replica once every ``world // shards`` steps."""
+    return not reduced or step % (world // shards) == rank // shards
+
+
 def found(
     loss: float | None, gradients: Iterable[torch.Tensor], what: str = "gradients"
 ) -> str | None:

@@ -393,7 +393,7 @@ class Session:
         else:
             # Each member's own gradients first, so the report names where a NaN came from;
             # then the sums the hook made of them, which a large finite value can overflow.
-            found = nonfinite.found(loss, _gradients(model))
+            found = nonfinite.found(loss, self._gradients_to_look_at(step, fault is Action.NAN))
             if found is None and reduced is not None:
                 found = nonfinite.found(None, reduced.sums, "summed gradients")
             ballot = vote.Ballot(
@@ -438,6 +438,17 @@ class Session:
         member.append(StepRetried, rank=self.rank, step=step, attempt=attempt, waited_s=waited)
         self._machine.fire(Trigger.DISCARD)
         return True
+
+    def _gradients_to_look_at(self, step: int, poisoned: bool) -> list[torch.Tensor]:
+        """Its own gradients, unless the user's DDP or FSDP2 reduced them and another replica of
+        its shard looks this step (nonfinite.looks). A member the ``nan`` fault hit looks: its
+        gradients stand for what the reduce would have spread."""
+        model, env = self._state.model, self._env
+        assert model is not None
+        reduced = self._member.stable.in_use
+        if not (poisoned or nonfinite.looks(step, self.rank, env.world_size, env.shards, reduced)):
+            return []
+        return _gradients(model)
 
     def _digest(self, step: int) -> str | None:
         """``shard:digest`` of this member's state, on a step whose vote compares the replicas'
