@@ -74,6 +74,18 @@ class ProtocolError(FlashRecoveryError):
     """The engine's plan contradicts this rank's state: a bug, never retried as a failure."""
 
 
+class RestoreMismatch(FlashRecoveryError):
+    """What a recipient received differs from what its lead donor said it sent (the bit sums of
+    the state's tensors, trainer_hooks/transfer.py): ``donors`` sent the tensors that differ."""
+
+    def __init__(self, donors: list[int], tensors: int, total: int) -> None:
+        super().__init__(
+            f"{tensors} of the {total} tensors received differ from what the donors sent "
+            f"(sent by donor(s) {donors})"
+        )
+        self.donors, self.tensors = donors, tensors
+
+
 class ReplacedError(FlashRecoveryError):
     """The engine replaced this rank (it was declared failed); this process must stop."""
 

@@ -414,6 +414,20 @@ class StateTransferred(Envelope):
     donor_bytes: dict[RankId, int] = Field(default_factory=dict)  # per donor of a striped one
 
 
+class RestoreRejected(Envelope):
+    """A recipient's check of the state it received failed: the bit sums of some tensors differ
+    from those its lead donor sent with it (trainer_hooks/transfer.py). Nothing of it was loaded;
+    the engine replaces the recipient, and ``donors`` (who sent the tensors that differ) give
+    no state again while another replica of their shard can."""
+
+    type: Literal["restore_rejected"] = "restore_rejected"
+    rank: RankId
+    step: int = Field(ge=-1)  # the resume step it was to receive
+    donors: list[RankId] = Field(min_length=1)
+    tensors: int = Field(ge=1)  # how many differ
+    error: str = Field(max_length=500)
+
+
 class CheckpointSaved(Envelope):
     """Every rank's part of the checkpoint of ``step`` is durable and its completion marker is
     written (trainer_hooks/checkpoint.py): the job can fall back to it."""
@@ -656,6 +670,7 @@ EventRecord = Annotated[
     | StepNonFinite
     | StepRetried
     | StateDigest
+    | RestoreRejected
     | RankExited
     | CollectiveError
     | HeartbeatMissed

@@ -45,6 +45,13 @@ SAMPLE_FIELDS: dict[str, dict[str, Any]] = {
     },
     "step_retried": {"rank": 1, "step": 3, "attempt": 1, "waited_s": 3.0},
     "state_digest": {"rank": 1, "step": 3, "shard": 0, "digest": "91c667fc90dc98d2"},
+    "restore_rejected": {
+        "rank": 1,
+        "step": 3,
+        "donors": [0],
+        "tensors": 1,
+        "error": "1 of the 4 tensors received differ from what the donors sent",
+    },
     "rank_exited": {"rank": 0, "pid": 1001, "signal": 9},
     "collective_error": {"rank": 1, "step": 3, "error": "peer vanished"},
     "heartbeat_missed": {"rank": 0, "last_seen_ts": T0, "silent_s": 1.5},

@@ -4,6 +4,7 @@ process (two threads play two ranks)."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import os
 import random
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from flashrecovery.agent.store import JobStore
-from flashrecovery.errors import ProtocolError
+from flashrecovery.errors import ProtocolError, RestoreMismatch
 from flashrecovery.trainer_hooks import barrier, groups, rng, transfer, vote
 
 pytestmark = pytest.mark.timeout(60)
@@ -272,6 +273,46 @@ def test_donors_of_different_states_are_refused(job_store: JobStore) -> None:
                 transfer.send(group, 2, state, None, transfer.Stripe(r, 2))
             return None
         with pytest.raises(ProtocolError, match="states of different sizes"):
+            transfer.recv(group, [0, 1])
+        return None
+
+    _ranks(job_store, work, world=3)
+
+
+@pytest.mark.parametrize("garbler", [0, 1])
+def test_a_bit_flipped_on_the_way_is_found_and_names_its_donor(
+    job_store: JobStore, garbler: int
+) -> None:
+    """The ``garble`` fault: one donor flips a bit of what it sends (in a copy: its own state
+    stays as it was); the recipient's sums differ from the lead's in that donor's stripe."""
+    replicated = _replicated()
+    before = copy.deepcopy(replicated)
+
+    def work(r: int, group: groups.Group) -> Any:
+        if r < 2:
+            stripe = transfer.Stripe(r, 2)
+            return transfer.send(group, 2, replicated, None, stripe, lambda: r == garbler)
+        with pytest.raises(RestoreMismatch) as raised:
+            transfer.recv(group, [0, 1], like=_replicated())
+        return raised.value
+
+    *_, mismatch = _ranks(job_store, work, world=3)
+    assert mismatch.donors == [garbler] and mismatch.tensors == 1
+    _assert_same(replicated, before)
+
+
+def test_a_donor_whose_replica_differs_from_the_leads_is_named(job_store: JobStore) -> None:
+    """Donor 1's state differs from the lead's in one element, the sizes alike: what it sends
+    does not add up to the sums the lead sent."""
+    replicated = _replicated()
+    other = copy.deepcopy(replicated)
+    other["model"]["w"][-1, -1] += 1.0  # the last bytes: donor 1's stripe
+
+    def work(r: int, group: groups.Group) -> Any:
+        if r < 2:
+            state = replicated if r == 0 else other
+            return transfer.send(group, 2, state, None, transfer.Stripe(r, 2))
+        with pytest.raises(RestoreMismatch, match=r"sent by donor\(s\) \[1\]"):
             transfer.recv(group, [0, 1])
         return None
 

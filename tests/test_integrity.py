@@ -82,3 +82,33 @@ def test_a_digest_of_another_step_or_shard_is_rejected() -> None:
     assert drive(log, engine, world, [wrong_step, wrong_shard]) == []
     reasons = " | ".join(engine.state.rejected)
     assert "its step in progress is 3, not 7" in reasons and "holds shard 0, not 1" in reasons
+
+
+def test_a_restore_that_fails_its_check_replaces_the_recipient_from_another_donor() -> None:
+    """Rank 1 lost; its spare's restore from rank 0 fails its check: the spare is replaced in
+    turn, and the next plan's donor is rank 2, the replica nobody suspects."""
+    log, world, engine = started(3, spares=2)
+    world.garbled_restores = 1
+    decisions = drive(log, engine, world, [world.kill(1)])
+    plans = [d for d in decisions if d.type == "resume_planned"]
+    assert [p.stripes for p in plans] == [{0: [0, 2]}, {}]
+    assert [p.donors for p in plans] == [{0: 0}, {0: 2}]
+    isolated = [d for d in decisions if d.type == "isolate_rank"]
+    assert [d.rank for d in isolated] == [1, 1]
+    assert isolated[1].reason.startswith("rank 1's restore failed its check: 1 of the 8 tensors")
+    decisions += drive(log, engine, world, world.train(2))
+    assert [d.type for d in decisions].count("incident_closed") == 2
+    assert engine.state.suspect_donors == {0}
+    report = replay_job(log, JOB)
+    assert report.ok, report.divergence and report.divergence.describe()
+
+
+def test_a_restore_check_that_leaves_no_trusted_replica_falls_back() -> None:
+    """Two replicas: the only donor is suspect, so the replaced recipient's shard has none
+    left; without a checkpoint the fallback names none, and the job ends."""
+    log, world, engine = started(2, spares=2)
+    world.garbled_restores = 1
+    decisions = drive(log, engine, world, [world.kill(1)])
+    [fallback] = [d for d in decisions if d.type == "fallback_to_checkpoint"]
+    assert "no healthy replica holds shard(s) [0]" in fallback.reason and fallback.step is None
+    assert engine.state.job.state == "fallback"

@@ -59,3 +59,26 @@ def test_a_shard_without_a_replica_has_no_donor(lost: set[int]) -> None:
     assert planner.plan_resume(regrouped(2, steps, lost)) == planner.NoReplica(
         [0] if lost == {0, 2} else [0, 1]
     )
+
+
+def test_suspect_donors_give_no_state_while_another_replica_can() -> None:
+    """HSDP 3 replicas x 2 shards, rank 2 replaced again after donor 0 sent it what failed its
+    check: shard 0 is given by rank 4 alone, shard 1 as before."""
+    state = regrouped(2, {0: 5, 1: 5, 2: -1, 3: 5, 4: 5, 5: 5}, lost={2})
+    state.suspect_donors = {0}
+    assert planner.plan_resume(state) == planner.ResumePlan(5, {0: 4, 1: 1}, [2], {1: [1, 3, 5]})
+
+
+def test_a_shard_whose_every_replica_is_suspect_has_no_donor() -> None:
+    state = regrouped(1, {0: 5, 1: -1, 2: 5}, lost={1})
+    state.suspect_donors = {0, 2}
+    assert planner.plan_resume(state) == planner.NoReplica([0])
+
+
+def test_suspects_beyond_the_lowest_still_leave_every_other_replica() -> None:
+    world = MAX_STRIPES + 3
+    state = regrouped(1, {r: 4 if r else -1 for r in range(world)}, {0})
+    state.suspect_donors = set(range(1, MAX_STRIPES + 1))  # every donor of the first plan
+    plan = planner.plan_resume(state)
+    assert isinstance(plan, planner.ResumePlan)
+    assert plan.stripes == {0: [MAX_STRIPES + 1, MAX_STRIPES + 2]}

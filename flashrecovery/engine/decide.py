@@ -38,6 +38,7 @@ from flashrecovery.records import (
     RankJoined,
     RankRegrouped,
     ReplacementSpawned,
+    RestoreRejected,
     SpareActivated,
     SpareHeartbeat,
     SpareMissed,
@@ -64,6 +65,7 @@ FENCED_TYPES = (
     StepNonFinite,
     StepRetried,
     StateDigest,
+    RestoreRejected,
     CollectiveError,
     RankRegrouped,
     StateTransferred,
@@ -434,6 +436,23 @@ def _state_digest(ctx: Context, record: StateDigest) -> None:
     recovery.fail_ranks(ctx, outcome.odd, record.ts, outcome.reason, verdict=gives_up)
 
 
+def _restore_rejected(ctx: Context, record: RestoreRejected) -> None:
+    """A recipient's check of what it received failed: it loaded nothing and is replaced like a
+    failed rank (its memory may be what is wrong); the donors that sent what differs give no
+    state again while another replica of their shard holds it, else the next plan falls back."""
+    state = ctx.state
+    view = state.ranks[record.rank]
+    if view.machine.state is not RankState.RESTORING or record.rank not in state.needs_state:
+        raise Rejected(f"rank {record.rank} is {view.machine.state}, not a recipient restoring")
+    if record.step != recovery.current_resume_step(state):
+        raise Rejected(
+            f"rank {record.rank} was to receive step {state.resume_step}, not {record.step}"
+        )
+    state.suspect_donors.update(record.donors)
+    reason = f"rank {record.rank}'s restore failed its check: {record.error}"
+    recovery.fail_ranks(ctx, [record.rank], record.ts, reason)
+
+
 def _rank_exited(ctx: Context, record: RankExited) -> None:
     state = ctx.state
     if state.node_lost(record.node):
@@ -616,6 +635,7 @@ HANDLERS: dict[type[Envelope], Callable[[Context, Any], None]] = {
     StepNonFinite: _step_nonfinite,
     StepRetried: _step_retried,
     StateDigest: _state_digest,
+    RestoreRejected: _restore_rejected,
     RankExited: _rank_exited,
     CollectiveError: _collective_error,
     HeartbeatMissed: _heartbeat_missed,

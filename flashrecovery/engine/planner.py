@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter
 from dataclasses import dataclass
 
-from flashrecovery.engine.state import EngineState, SpareView
+from flashrecovery.engine.state import MAX_STRIPES, EngineState, SpareView
 
 FRESH_SPARE_INTERVALS = 2.0  # a spare not heard from for this many heartbeats is not handed a rank
 
@@ -54,7 +55,8 @@ class NoReplica:
 
 def plan_resume(state: EngineState) -> ResumePlan | NoReplica:
     """Resume after the highest step the survivors committed; each shard's donors are its
-    lowest survivors at that step (up to state.MAX_STRIPES, each sends a stripe, the lowest leads);
+    lowest survivors at that step (up to state.MAX_STRIPES, each sends a stripe, the lowest leads)
+    that never sent a restore what it failed its check on (a shard with none left has no replica);
     replaced ranks and any member behind receive state. Read from the regroup reports' tally:
     O(shards + recipients), whatever the size of the world."""
     tally = state.regroups
@@ -65,6 +67,9 @@ def plan_resume(state: EngineState) -> ResumePlan | NoReplica:
         for shard in shards
         if tally.lowest.get((resume_step, shard))
     }
+    if state.suspect_donors:  # rare: a restore failed its check (engine/decide.py)
+        stripes = {shard: _trusted(state, resume_step, shard) for shard in stripes}
+        stripes = {shard: ranks for shard, ranks in stripes.items() if ranks}
     missing = [s for s in shards if s not in stripes]
     if missing or not tally.holders:
         return NoReplica(missing or shards)
@@ -72,3 +77,9 @@ def plan_resume(state: EngineState) -> ResumePlan | NoReplica:
     donors = {shard: ranks[0] for shard, ranks in stripes.items()}
     striped = {shard: ranks for shard, ranks in stripes.items() if len(ranks) > 1}
     return ResumePlan(resume_step, donors, recipients, striped)
+
+
+def _trusted(state: EngineState, step: int, shard: int) -> list[int]:
+    """The shard's lowest survivors at ``step`` that are not suspect donors: O(its replicas)."""
+    members = state.regroups.by_shard[(step, shard)] - state.suspect_donors
+    return heapq.nsmallest(MAX_STRIPES, members)

@@ -305,6 +305,9 @@ class EngineState:
     retried: int = 0  # StepRetried records: votes closed with no failure behind them
     # step -> rank -> (shard, digest): the members' states as a diverged vote left them
     digests: dict[int, dict[int, tuple[int, str]]] = field(default_factory=dict)
+    # Ranks that sent a recipient state that differed from what their lead donor held
+    # (RestoreRejected): no donors again while another replica of their shard can be.
+    suspect_donors: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.ranks = RankTable(self.sweeps, self._settle)

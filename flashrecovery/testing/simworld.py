@@ -32,6 +32,7 @@ from flashrecovery.records import (
     RankRegrouped,
     RegroupPlanned,
     ReplacementSpawned,
+    RestoreRejected,
     ResumePlanned,
     RetireSpare,
     SpareActivated,
@@ -60,6 +61,7 @@ class SimulatedWorld:
     pids: dict[int, int] = field(default_factory=dict)
     spare_pids: dict[int, int] = field(default_factory=dict)
     answered: int = 0  # decisions reacted to so far
+    garbled_restores: int = 0  # this many resume plans' recipients find their state garbled
     _next_pid: int = 1000
     _next_spare: int = 0
 
@@ -189,6 +191,19 @@ class SimulatedWorld:
                     shard=rank % self.shards,
                 )
                 for rank in decision.members
+            ]
+        if isinstance(decision, ResumePlanned) and self.garbled_restores:
+            self.garbled_restores -= 1
+            return [
+                RestoreRejected(
+                    **self._env(f"rank:{rank}"),
+                    rank=rank,
+                    step=decision.resume_step,
+                    donors=[decision.donors[rank % self.shards]],
+                    tensors=1,
+                    error="1 of the 8 tensors received differ from what the donors sent",
+                )
+                for rank in decision.recipients
             ]
         if isinstance(decision, ResumePlanned):
             self.committed = decision.resume_step

@@ -24,7 +24,9 @@ corruption of its state, found when the replicas compare their states: digest.py
 recovery, at the member's committed step: ``regroup`` SIGKILLs a member as it starts to join a
 new generation, ``group_build`` as it starts to build the generation's group (its ring
 neighbours wait for it while theirs form), and ``donor_send`` kills a donor in the middle of
-sending its state (after the first message). ``checkpoint_load`` SIGKILLs a member as it starts
+sending its state (after the first message), ``garble`` makes a donor flip one bit of what it
+sends on the way (its own state untouched: the recipient's check finds it, transfer.py).
+``checkpoint_load`` SIGKILLs a member as it starts
 loading the checkpoint a fallback names, at that checkpoint's step.
 """
 
@@ -63,6 +65,7 @@ class Action(StrEnum):
     STALL = "stall"
     NAN = "nan"  # done by the caller: the probe has no hold on the values
     BITFLIP = "bitflip"  # likewise
+    GARBLE = "garble"  # likewise, by a donor as it sends its state
 
 
 class InjectedFault(RuntimeError):
@@ -111,6 +114,7 @@ class PlannedFault:
 _KINDS: dict[str, tuple[Point, Action]] = {
     **{point.value: (point, Action.KILL) for point in Point},
     **{a.value: (Point.BEFORE_REDUCE, a) for a in Action if a is not Action.KILL},
+    Action.GARBLE.value: (Point.DONOR_SEND, Action.GARBLE),
 }
 
 

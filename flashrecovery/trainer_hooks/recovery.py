@@ -11,12 +11,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from flashrecovery.errors import ProtocolError, ReplacedError
+from flashrecovery.errors import ProtocolError, ReplacedError, RestoreMismatch
 from flashrecovery.records import (
     CheckpointLoaded,
     CollectiveError,
     FallbackToCheckpoint,
     RankRegrouped,
+    RestoreRejected,
     ResumePlanned,
     StateTransferred,
 )
@@ -24,7 +25,7 @@ from flashrecovery.statemachines.base import Trigger
 from flashrecovery.statemachines.session import SessionState
 from flashrecovery.trainer_hooks import transfer
 from flashrecovery.trainer_hooks.membership import RECOVERY_TIMEOUT_S, Membership
-from flashrecovery.trainer_hooks.probe import Point, Probe
+from flashrecovery.trainer_hooks.probe import Action, Point, Probe
 from flashrecovery.trainer_hooks.training_state import TrainingState
 
 if TYPE_CHECKING:
@@ -104,6 +105,8 @@ class Recovery:
                             self._load_checkpoint(plan)
                         machine.fire(Trigger.END_RESTORE)
                         return
+            except RestoreMismatch:
+                pass  # recorded: the engine replaces this recipient (and its plan, the donors)
             except RuntimeError as exc:  # a member failed while this generation formed
                 self.failed(exc)
             machine.fire(Trigger.REGROUP)
@@ -133,14 +136,27 @@ class Recovery:
                     state.replicated(),
                     own,
                     stripe,
-                    after_header=lambda: self._probe(Point.DONOR_SEND, rank, state.committed_step),
+                    after_header=lambda: (
+                        self._probe(Point.DONOR_SEND, rank, state.committed_step) is Action.GARBLE
+                    ),
                 )
         elif rank in plan.recipients:
             started = time.perf_counter()
             # Its own tensors are overwritten in place: until restored it holds no step.
             state.committed_step = -1
             group = member.hook_group(donors)
-            received = transfer.recv(group, donors, state.replicated(), member.mesh)
+            try:
+                received = transfer.recv(group, donors, state.replicated(), member.mesh)
+            except RestoreMismatch as exc:
+                member.append(
+                    RestoreRejected,
+                    rank=rank,
+                    step=plan.resume_step,
+                    donors=exc.donors,
+                    tensors=exc.tensors,
+                    error=str(exc),
+                )
+                raise
             state.load({**received.replicated, **received.own})
             member.append(
                 StateTransferred,

@@ -5,7 +5,9 @@ A state travels in two parts. The *replicated* part (model and optimizer state) 
 equal on every healthy replica of a shard, so several donors can share it: laid end to end its
 tensors' bytes are cut into as many equal stripes as there are donors, and donor ``i`` sends
 stripe ``i``. The *own* part (RNG, extras, the step: small, possibly different per rank) and
-the replicated part's structure travel as one pickle from the lead donor (stripe 0).
+the replicated part's structure travel as one pickle from the lead donor (stripe 0), with the
+bit sums of every tensor it holds (digest.py): the recipient sums what it received and names the
+donors whose stripes differ (``RestoreMismatch``), before anything of it is loaded or voted on.
 
 No tensor is copied on the way where it can be avoided: a donor sends each tensor's own
 storage; the recipient receives each straight into the storage of its own tensor at the same
@@ -27,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from flashrecovery.errors import ProtocolError
+from flashrecovery.errors import ProtocolError, RestoreMismatch
+from flashrecovery.trainer_hooks import digest
 from flashrecovery.trainer_hooks.dtensors import is_dtensor
 from flashrecovery.trainer_hooks.groups import Group
 
@@ -229,18 +232,26 @@ def send(
     replicated: Any,
     own: Any = None,
     stripe: Stripe = Stripe(),
-    after_header: Callable[[], object] = lambda: None,
+    after_header: Callable[[], bool] = lambda: False,
 ) -> int:
-    """Send ``stripe`` of ``replicated`` (and, from the lead, the structure and ``own``) to
-    rank ``dst``; returns the bytes sent. ``after_header`` runs after the first message (where
-    a test kills a donor mid-transfer)."""
+    """Send ``stripe`` of ``replicated`` (and, from the lead, the structure, the tensors' bit
+    sums and ``own``) to rank ``dst``; returns the bytes sent. ``after_header`` runs after the
+    first message (where a test kills a donor mid-transfer); True: flip a bit of this donor's
+    first payload message on the way, in a copy (the ``garble`` fault, probe.py)."""
     tensors: list[torch.Tensor] = []
     skeleton = _pack(replicated, tensors)
     data = [_flat_bytes(t) for t in tensors]
-    structure = pickle.dumps((skeleton, own)) if stripe.index == 0 else b""
+    structure = b""
+    if stripe.index == 0:
+        sizes = [d.numel() for d in data]
+        sums = [
+            _sums(data, tensors, stripe_pieces(sizes, Stripe(index, stripe.count)))
+            for index in range(stripe.count)
+        ]
+        structure = pickle.dumps((skeleton, own, sums))
     header = torch.tensor([len(structure), sum(d.numel() for d in data)], dtype=torch.int64)
     group.send([header], dst, _HEADER).wait()
-    after_header()
+    garble = after_header()
     pending = []
     if structure:
         buffer = torch.frombuffer(bytearray(structure), dtype=torch.uint8)
@@ -250,6 +261,9 @@ def send(
     for tag, message in enumerate(plan, start=_PAYLOAD):
         views = _views(data, message)
         buffer = views[0] if len(views) == 1 else torch.cat(views)
+        if garble and buffer.numel():
+            buffer, garble = buffer.clone(), False
+            buffer[0] ^= 1
         pending.append((group.send([buffer], dst, tag), buffer))
         sent += buffer.numel()
     for work, _ in pending:
@@ -265,7 +279,8 @@ def recv(
 ) -> Received:
     """Receive a state striped across ``donors`` (the lead first). Each tensor lands in place
     in the tensor at the same path of ``like`` (the recipient's own replicated state) where
-    dtype and shape match; DTensors are rebuilt on ``mesh``."""
+    dtype and shape match; DTensors are rebuilt on ``mesh``. ``RestoreMismatch`` if what
+    arrived is not what the lead donor holds."""
     headers = [torch.empty(2, dtype=torch.int64) for _ in donors]
     for work in [group.recv([h], d, _HEADER) for h, d in zip(headers, donors, strict=True)]:
         work.wait()
@@ -274,7 +289,8 @@ def recv(
         raise ProtocolError(f"donors {list(donors)} hold states of different sizes")
     structure = torch.empty(structure_len, dtype=torch.uint8)
     group.recv([structure], donors[0], _STRUCTURE).wait()
-    skeleton, own = pickle.loads(structure.numpy().tobytes())  # sent by a replica of this job
+    # Sent by a replica of this job.
+    skeleton, own, sums = pickle.loads(structure.numpy().tobytes())
     into: dict[int, torch.Tensor] = {}
     replicated = _unpack(skeleton, dict(leaves(like)), into, mesh)
     data = [_flat_bytes(into[i]) for i in range(len(into))]
@@ -284,8 +300,9 @@ def recv(
     received = {donor: 0 for donor in donors}
     received[donors[0]] += structure_len
     pending = []
-    for index, donor in enumerate(donors):
-        plan = messages(stripe_pieces(sizes, Stripe(index, len(donors))))
+    stripes = [stripe_pieces(sizes, Stripe(index, len(donors))) for index in range(len(donors))]
+    for donor, pieces in zip(donors, stripes, strict=True):
+        plan = messages(pieces)
         for tag, message in enumerate(plan, start=_PAYLOAD):
             views = _views(data, message)
             size = sum(v.numel() for v in views)
@@ -296,7 +313,45 @@ def recv(
         work.wait()
         if len(views) > 1:
             _scatter(buffer, views)
+    _check(data, [into[i] for i in range(len(into))], donors, stripes, sums)
     return Received(replicated, own, received)
+
+
+def _sums(data: list[torch.Tensor], tensors: list[torch.Tensor], pieces: list[Piece]) -> list[int]:
+    """The bit sums of a stripe's pieces (digest.bit_sum), each read as integers of its tensor's
+    element width where its bytes are whole elements (every piece but those a stripe's edge
+    cuts), else byte by byte: either way a flipped bit changes the sum."""
+    views = []
+    for index, first, end in pieces:
+        raw = data[index][first:end]
+        width = min(tensors[index].element_size(), 8)
+        whole = raw.storage_offset() % width == 0 and raw.numel() % width == 0
+        views.append(raw.view(digest.INT_OF_SIZE[width]) if whole else raw)
+    return digest.bit_sums(views)
+
+
+def _check(
+    data: list[torch.Tensor],
+    tensors: list[torch.Tensor],
+    donors: Sequence[int],
+    stripes: list[list[Piece]],
+    sums: list[list[int]],
+) -> None:
+    """Whether what arrived adds up to the lead donor's sums, stripe by stripe: which donors
+    sent pieces that differ, and of how many tensors."""
+    culprits: list[int] = []
+    tensors_wrong: set[int] = set()
+    for donor, pieces, theirs in zip(donors, stripes, sums, strict=True):
+        wrong = [
+            piece
+            for piece, mine, sent in zip(pieces, _sums(data, tensors, pieces), theirs, strict=True)
+            if mine != sent
+        ]
+        if wrong:
+            culprits.append(donor)
+            tensors_wrong.update(index for index, _, _ in wrong)
+    if culprits:
+        raise RestoreMismatch(culprits, len(tensors_wrong), len(tensors))
 
 
 def _scatter(buffer: torch.Tensor, views: list[torch.Tensor]) -> None:

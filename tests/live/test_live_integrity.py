@@ -44,3 +44,24 @@ def test_two_replicas_that_differ_end_the_job_in_one_line(tmp_path: Path) -> Non
     assert failed.reason.startswith("replicas' states differ at step 3 (shard 0: rank 0 ")
     assert failed.reason.endswith("no majority); no complete checkpoint to fall back to")
     assert job.decisions("regroup_planned") == []
+
+
+def test_a_restore_garbled_on_the_way_is_refused_and_redone_from_another_donor(
+    tmp_path: Path, reference: torch.Tensor
+) -> None:
+    """Rank 1 killed at step 6; of its two donors, rank 2 flips a bit of what it sends (the
+    ``garble`` fault, its own state untouched): the recipient's check names rank 2 before
+    anything is loaded, the recipient is replaced by the second spare, restored from rank 0
+    alone, and the job ends bitwise equal to a fault-free run."""
+    job = run_job(tmp_path, spares=2, fault_plan=["1:before_reduce@6", "2:garble@5"])
+    assert_lossless(job, reference, incidents=2)
+    assert_survivors_kept(job, failed={1})
+    [rejected] = job.records(type="restore_rejected")
+    assert (rejected.rank, rejected.step, rejected.donors, rejected.tensors) == (1, 5, [2], 1)
+    plans = job.decisions("resume_planned")
+    assert [(p.donors, p.stripes) for p in plans] == [({0: 0}, {0: [0, 2]}), ({0: 0}, {})]
+    [moved] = job.records(type="state_transferred")
+    assert (moved.rank, moved.donor, list(moved.donor_bytes)) == (1, 0, [0])
+    isolated = job.decisions("isolate_rank")
+    assert [d.rank for d in isolated] == [1, 1]
+    assert isolated[1].reason.startswith("rank 1's restore failed its check: 1 of the ")
