@@ -84,8 +84,9 @@ class Envelope(BaseModel):
 
 
 class StragglerPolicy(StrEnum):
-    """What the engine does with a node it finds slowing the job (its link degraded): name it
-    in the log, or also replace its ranks when spares can take them all."""
+    """What the engine does with a node it finds slowing the job (its link degraded) or a rank
+    (its steps steadily slower than its peers'): name it in the log, or also replace its ranks
+    when spares can take them all."""
 
     REPORT = "report"
     REPLACE = "replace"
@@ -129,6 +130,10 @@ class JobStarted(Envelope):
     log_hold_s: float = Field(default=0.0, ge=0)
     nonfinite_policy: NonFinitePolicy = NonFinitePolicy.FAIL  # absent in old logs: fail
     verify_every: int = Field(default=0, ge=0)  # replicas compare state digests (0: never)
+    # A rank whose median slowdown (its compute time over its peers' median) over its last
+    # straggler_steps scored steps reaches straggler_ratio is a straggler (engine/stragglers.py).
+    straggler_ratio: float = Field(default=2.0, gt=1)
+    straggler_steps: int = Field(default=20, ge=2)
 
     @property
     def nproc_per_node(self) -> int:
@@ -246,6 +251,9 @@ class StepCompleted(Envelope):
     rank: RankId
     step: int = Field(ge=0)
     duration_s: float = Field(ge=0)
+    # Of the step up to its vote, the time this rank did not wait on its peers' collectives:
+    # its own work (trainer_hooks/waits.py), scored against its peers' (absent in old logs).
+    compute_s: float | None = Field(default=None, ge=0)
     loss: float | None = None
     # The step's batch was skipped: it was non-finite twice and the job's policy is skip (no
     # optimizer step; the step and the data position move on as for a commit).
@@ -606,29 +614,34 @@ class RetireSpare(Decision):
 
 
 class StragglerFound(Decision):
-    """A node slows the job: its links to its peers lose or delay their probes while the links
-    between its peers do not (so it is the node, not the network as a whole). ``replaced``:
-    the job's straggler policy replaced its ranks (an IsolateNode follows); else it is named
-    only."""
+    """Something slows the job. ``cause`` "link": a node whose links to its peers lose or delay
+    their probes while the links between its peers do not (so it is the node, not the network
+    as a whole). "step_time": a rank whose steps are steadily slower than its peers' (its
+    median slowdown over the job's window, engine/stragglers.py). ``replaced``: the job's
+    straggler policy replaced its ranks (an IsolateNode or IsolateRank follows); else it is
+    named only."""
 
     type: Literal["straggler_found"] = "straggler_found"
     node: NodeId
     ranks: list[RankId]
-    cause: Literal["link"] = "link"
-    late_ratio: float = Field(ge=0, le=1)  # of its probes, over the engine's window
-    peers: list[NodeId]  # whose links to it were scored
+    cause: Literal["link", "step_time"] = "link"
+    late_ratio: float | None = Field(default=None, ge=0, le=1)  # link: of its probes, late
+    slowdown: float | None = Field(default=None, ge=0)  # step_time: its median slowdown
+    peers: list[NodeId] = Field(default_factory=list)  # link: whose links to it were scored
     replaced: bool
     reason: str
 
 
 class StragglerCleared(Decision):
-    """A node named by ``StragglerFound`` is no longer the cause: its links' probes are late at
-    under half the naming ratio again. Until this record a node is named once; after it, a link
-    that degrades again names it again."""
+    """A node or rank named by ``StragglerFound`` is no longer the cause: its links' probes are
+    late at under half the naming ratio again, or the rank's median slowdown fell under halfway
+    to the job's ratio. Until this record it is named once; after it, it may be named again."""
 
     type: Literal["straggler_cleared"] = "straggler_cleared"
     node: NodeId
-    late_ratio: float = Field(ge=0, le=1)  # of its probes, over the engine's window
+    rank: RankId | None = None  # a rank straggler's
+    late_ratio: float | None = Field(default=None, ge=0, le=1)  # link: of its probes, late
+    slowdown: float | None = Field(default=None, ge=0)  # step_time: its median slowdown
     reason: str
 
 

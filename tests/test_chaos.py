@@ -266,15 +266,20 @@ def test_chaos_six_faults_all_recovered_bitwise_equal(tmp_path: Path) -> None:
 @pytest.mark.timeout(280)
 def test_chaos_value_faults_are_found_in_the_step_they_land_in(tmp_path: Path) -> None:
     """A NaN costs no incident; a flipped bit costs one (the odd replica replaced), and the job
-    still ends bitwise equal to its reference: both were found before any rank stepped."""
+    still ends bitwise equal to its reference: both were found before any rank stepped. A rank
+    made 3x slower is named a straggler within its window of 5 steps, and left in place (the
+    report policy)."""
     verdict, context, _ = run_chaos(
-        tmp_path, "--faults", "2", "--seed", "0", "--kinds", "nan,bitflip", "--spares", "1"
+        tmp_path, "--faults", "3", "--seed", "0", "--kinds", "nan,bitflip,slow", "--spares", "1"
     )
     rows = {r["kind"]: r for r in verdict["faults"]}
-    assert sorted(rows) == ["bitflip", "nan"], context
-    assert all(r["recovered"] and r["detection_steps"] == 0 for r in rows.values()), context
+    assert sorted(rows) == ["bitflip", "nan", "slow"], context
+    assert all(r["recovered"] for r in rows.values()), context
+    assert rows["nan"]["detection_steps"] == rows["bitflip"]["detection_steps"] == 0, context
     assert rows["nan"]["incidents"] == [] and "computed again" in rows["nan"]["notes"][0], context
     assert len(rows["bitflip"]["incidents"]) == 1, context
+    assert rows["slow"]["incidents"] == [] and 2 <= rows["slow"]["detection_steps"] <= 5, context
+    assert rows["slow"]["notes"][0].startswith("named (reported), "), context
 
 
 @pytest.mark.parametrize(

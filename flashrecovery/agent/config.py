@@ -109,7 +109,9 @@ class AgentConfig:
     job_id: str | None = None  # default: generated
     heartbeat_interval_s: float = 1.0
     stall_floor_s: float = 5.0  # no step progress this long (at least) while peers wait: stall
-    straggler_policy: StragglerPolicy = StragglerPolicy.REPORT  # a node whose link slows the job
+    straggler_policy: StragglerPolicy = StragglerPolicy.REPORT  # a node or rank slowing the job
+    straggler_ratio: float = 2.0  # a rank this much slower than its peers' median, steadily,
+    straggler_steps: int = 20  # over this many steps (its median slowdown): a straggler
     nonfinite_policy: NonFinitePolicy = NonFinitePolicy.FAIL  # a step non-finite twice
     verify_every: int = DEFAULT_VERIFY_EVERY  # replicas compare state digests (0: never)
     external_engine: bool = False  # decisions come from `flashrecovery engine` services
@@ -193,6 +195,10 @@ class AgentConfig:
             raise ConfigError("--checkpoint-dir and --checkpoint-every go together")
         if self.checkpoint_every < 0:
             raise ConfigError(f"--checkpoint-every must be positive, got {self.checkpoint_every}")
+        if self.straggler_ratio <= 1:
+            raise ConfigError(f"--straggler-ratio must be above 1, got {self.straggler_ratio}")
+        if self.straggler_steps < 2:
+            raise ConfigError(f"--straggler-steps must be 2 or more, got {self.straggler_steps}")
         if self.verify_every < 0:
             raise ConfigError(f"--verify-every must be 0 (off) or more, got {self.verify_every}")
         if self.max_incidents is not None and self.max_incidents < 1:

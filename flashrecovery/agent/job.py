@@ -262,6 +262,8 @@ class Agent:
                 heartbeat_interval_s=config.heartbeat_interval_s,
                 stall_floor_s=config.stall_floor_s,
                 straggler_policy=config.straggler_policy,
+                straggler_ratio=config.straggler_ratio,
+                straggler_steps=config.straggler_steps,
                 nonfinite_policy=config.nonfinite_policy,
                 verify_every=config.verify_every,
                 log_hold_s=self._log.write_hold_s,

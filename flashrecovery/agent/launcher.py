@@ -119,9 +119,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--straggler-policy",
         **one_of(StragglerPolicy.REPORT),
         help="what to do with a node whose link slows the job (its probes to its peers lost or "
-        "late while theirs between them are not): name it in the log (report, the default), "
-        "or also replace its ranks with spares of other nodes when they can take them all "
-        "(replace); needs 3 nodes or more to tell the node from the network",
+        "late while theirs between them are not; needs 3 nodes or more to tell the node from "
+        "the network) or a rank whose steps are steadily slower than its peers' (see "
+        "--straggler-ratio): name it in the log (report, the default), or also replace its "
+        "ranks with spares when they can take them all (replace)",
+    )
+    add(
+        "--straggler-ratio",
+        type=float,
+        default=2.0,
+        metavar="X",
+        help="a rank whose compute time per step (its step less its waits on its peers) is, "
+        "as a median over --straggler-steps steps, X times its peers' median or more is a "
+        "straggler (default 2.0)",
+    )
+    add(
+        "--straggler-steps",
+        type=int,
+        default=20,
+        metavar="N",
+        help="the steps a rank's slowdown is taken over: one slow step never names it, "
+        "a rank merely noisy neither (default 20)",
     )
     add(
         "--nonfinite-policy",
@@ -302,6 +320,8 @@ def run(args: argparse.Namespace) -> int:
                 heartbeat_interval_s=args.heartbeat_interval,
                 stall_floor_s=args.stall_timeout,
                 straggler_policy=StragglerPolicy(args.straggler_policy),
+                straggler_ratio=args.straggler_ratio,
+                straggler_steps=args.straggler_steps,
                 nonfinite_policy=NonFinitePolicy(args.nonfinite_policy),
                 verify_every=args.verify_every,
                 external_engine=args.external_engine,

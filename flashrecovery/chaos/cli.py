@@ -38,6 +38,7 @@ from flashrecovery.chaos.schedule import (
     MID_INCIDENT,
     NETWORK,
     OUTSIDE_SIGNAL,
+    STRAGGLING,
     VERIFIED,
     PlannedFault,
 )
@@ -372,6 +373,9 @@ def _specs(
         # Compared at every step: a flipped bit is found in the step it lands in, before any
         # rank steps with it, so the job can still end bitwise equal to its reference.
         options += ["--verify-every", "1"]
+    if any(f.kind in STRAGGLING for f in plan.faults):
+        # Scored over 5 steps: a slowed rank is named within the fault's SLOW_STEPS.
+        options += ["--straggler-steps", "5"]
     chaos_options = [*options, "--final-state", str(run_dir / "final")]
     chaos_options += ["--output-dir", str(run_dir / "output")]
     if args.external_engine:

@@ -20,6 +20,10 @@ KINDS: dict[str, str] = {
     "raise": "an exception escapes a rank's training loop",
     "stall": "a rank stuck in its own code, heartbeats going on (found by the stall detector)",
     "nan": "a NaN in one rank's gradients (found by the commit: no rank steps, it is recomputed)",
+    "slow": (
+        "a rank's steps take 3x their compute time for a while (named a straggler from its "
+        "compute times against its peers'; replaced under --straggler-policy replace)"
+    ),
     "bitflip": (
         "one bit of a rank's parameters flipped in its memory (found when the replicas compare "
         "their state digests; the odd one is replaced and restored from the others)"
@@ -64,6 +68,7 @@ OUTSIDE_SIGNAL = {"sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP}
 MID_INCIDENT = ("engine_kill", "broker_restart")  # a rank SIGKILLed, then this
 IDLE_SPARE_SIGNAL = {"spare_kill": signal.SIGKILL, "spare_stop": signal.SIGSTOP}
 NO_INCIDENT = ("nan",)  # a fault of the values, not of a process: found, and no rank replaced
+STRAGGLING = ("slow",)  # a rank slow, not failed: named; replaced only by the straggler policy
 VERIFIED = ("bitflip",)  # found by the replicas' state digests (a majority needs 3 replicas)
 
 
@@ -87,6 +92,7 @@ class PlannedFault:
             "stall": [f"{self.rank}:stall@{self.step}"],
             "nan": [f"{self.rank}:nan@{self.step}"],
             "bitflip": [f"{self.rank}:bitflip@{self.step}"],
+            "slow": [f"{self.rank}:slow@{self.step}"],
             "donor": [first, f"{self.second}:donor_send@{during}"],
             "replacement": [first, first],
             "regroup": [first, f"{self.second}:regroup@{during}"],
@@ -96,8 +102,13 @@ class PlannedFault:
     @property
     def failed_ranks(self) -> list[int]:
         """The ranks it makes fail, in order (one incident each)."""
-        if self.kind in IDLE_SPARE_SIGNAL or self.kind in (*SLOWED, *BROKER, *NO_INCIDENT):
-            return []  # a spare holds no rank, the others must cost no incident
+        if self.kind in IDLE_SPARE_SIGNAL or self.kind in (
+            *SLOWED,
+            *STRAGGLING,
+            *BROKER,
+            *NO_INCIDENT,
+        ):
+            return []  # a spare holds no rank, the others must cost no incident (but a policy)
         if self.kind in NODE_LOST:
             return list(self.ranks[:1])  # one incident for the whole node, named by its first
         if self.kind == "replacement":
@@ -138,7 +149,7 @@ def available_kinds(
     """The kinds this job can take: two failures in one recovery need three ranks (one
     replica must survive to donate); the spare, engine and broker kinds need those to exist;
     the node kinds several nodes, the network's nodes with networks of their own."""
-    kinds = ["sigkill", "sigstop", "raise", "stall", "nan"]
+    kinds = ["sigkill", "sigstop", "raise", "stall", "nan", "slow"]
     if nodes > 1:
         kinds += ["node_kill", "node0_kill"]
     if nodes > 1 and netns:

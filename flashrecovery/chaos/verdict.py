@@ -14,6 +14,7 @@ from flashrecovery.chaos.schedule import (
     NO_INCIDENT,
     NODE_LOST,
     SLOWED,
+    STRAGGLING,
     VERIFIED,
     PlannedFault,
 )
@@ -174,7 +175,9 @@ def straggler_outcome(
         (
             r
             for e in log.read(Stream.DECISIONS, job_id)
-            if isinstance(r := e.record, StragglerFound) and r.node == node and r.ts >= since
+            if isinstance(r := e.record, StragglerFound)
+            and (r.cause, r.node) == ("link", node)
+            and r.ts >= since
         ),
         None,
     )
@@ -183,9 +186,31 @@ def straggler_outcome(
     said = "and replaced" if named.replaced else "(reported)"
     return (
         True,
-        [f"node {node} named {said}, {named.late_ratio:.0%} of probes late"],
+        [f"node {node} named {said}, {named.late_ratio or 0:.0%} of probes late"],
         named.ts - since,
     )
+
+
+def rank_straggler_outcome(
+    log: LogConnector, job_id: str, fault: PlannedFault
+) -> tuple[bool, list[str], int | None]:
+    """A rank slowed: whether the engine named it from its compute times, how, and how many
+    steps after the slowing began (the step whose records named it)."""
+    named = next(
+        (
+            r
+            for e in log.read(Stream.DECISIONS, job_id)
+            if isinstance(r := e.record, StragglerFound)
+            and (r.cause, r.ranks) == ("step_time", [fault.rank])
+        ),
+        None,
+    )
+    if named is None:
+        return False, [f"rank {fault.rank} was not named a straggler"], None
+    [cause] = log.read(Stream.EVENTS, job_id, named.caused_by, limit=1)
+    step = getattr(cause.record, "step", fault.step)
+    said = "and replaced" if named.replaced else "(reported)"
+    return True, [f"named {said}, {named.slowdown}x its peers' median"], step - fault.step
 
 
 def nonfinite_outcome(
@@ -263,11 +288,16 @@ def judge(
             if match is not None:
                 unclaimed.remove(match)
                 mine.append(match)
-        if fault.kind in SLOWED:  # its node replaced by the straggler policy
+        if fault.kind in (*SLOWED, *STRAGGLING):  # replaced by the straggler policy
             replaced = [
                 r
                 for r in unclaimed
-                if r["failed_node"] == fault.node and SLOW_REASON in (r["reason"] or "")
+                if SLOW_REASON in (r["reason"] or "")
+                and (
+                    r["failed_node"] == fault.node
+                    if fault.kind in SLOWED
+                    else r["failed_rank"] == fault.rank
+                )
             ]
             unclaimed = [r for r in unclaimed if r not in replaced]
             mine += replaced
@@ -304,6 +334,11 @@ def judge(
         if fault.kind in NO_INCIDENT:
             found_it, said, detection_steps = nonfinite_outcome(log, job_id, fault)
             recovered = found_it and not mine
+            notes += said
+        if fault.kind in STRAGGLING:
+            named, said, detection_steps = rank_straggler_outcome(log, job_id, fault)
+            recovered = named and len(mine) <= 1
+            recovered = recovered and all(r["state"] == IncidentState.CLOSED for r in mine)
             notes += said
         if fault.kind in SLOWED:
             named, said, detection = straggler_outcome(log, job_id, fault.node, action)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from flashrecovery.engine import integrity, links, planner, recovery
+from flashrecovery.engine import integrity, links, planner, recovery, stragglers
 from flashrecovery.engine.context import Context
 from flashrecovery.engine.state import EngineState, NodeView, RankView, SpareStatus, SpareView
 from flashrecovery.errors import IllegalTransition, Rejected
@@ -135,6 +135,7 @@ def _job_started(ctx: Context, record: JobStarted) -> None:
         raise Rejected("the job has already started")
     state.config = record
     state.meeting = record.store
+    state.step_scores = stragglers.StepScores(record.straggler_steps, record.straggler_ratio)
     for r in range(record.world_size):
         state.ranks[r] = RankView(RankMachine(f"rank:{r}", census=state.rank_census))
         state.set_node(r, r // record.nproc_per_node)  # laid out node by node
@@ -384,6 +385,51 @@ def _step_completed(ctx: Context, record: StepCompleted) -> None:
     state.step_durations.append(record.duration_s)
     recovery.clear_suspicion(ctx, view)
     recovery.maybe_close_incidents(ctx)
+    if record.compute_s is not None and state.job.state is JobState.RUNNING:
+        scored = state.step_scores.add(record.rank, record.step, record.compute_s, state.world_size)
+        for change in scored:
+            _rank_straggler(ctx, change)
+
+
+def _rank_straggler(ctx: Context, change: stragglers.Change) -> None:
+    """A rank whose steps are steadily slower than its peers' is named, and replaced when the
+    job's policy says so and a fresh spare can take its place (an incident like a failure's:
+    its step in flight is computed again, no committed step is lost); or it is cleared."""
+    state = ctx.state
+    assert state.config is not None
+    view = state.ranks[change.rank]
+    slower = f"rank {change.rank}'s steps take {change.slowdown:.2f}x its peers' median"
+    window = f"over its last {state.config.straggler_steps} steps"
+    if not change.found:
+        ctx.emit(
+            StragglerCleared,
+            node=view.node,
+            rank=change.rank,
+            slowdown=change.slowdown,
+            reason=f"{slower} {window} (under {(1 + state.config.straggler_ratio) / 2:.2f}x)",
+        )
+        return
+    policy = state.config.straggler_policy
+    free = planner.fresh_spares(state, ctx.record.ts)
+    replace = policy is StragglerPolicy.REPLACE and bool(free)
+    if replace:
+        outcome = "replaced (--straggler-policy replace)"
+    elif policy is StragglerPolicy.REPLACE:
+        outcome = "named only: no spare is free"
+    else:
+        outcome = "named only (--straggler-policy report)"
+    why = f"{slower} {window} (at least {state.config.straggler_ratio:.2f}x)"
+    ctx.emit(
+        StragglerFound,
+        node=view.node,
+        ranks=[change.rank],
+        cause="step_time",
+        slowdown=change.slowdown,
+        replaced=replace,
+        reason=f"{why}: {outcome}",
+    )
+    if replace:
+        recovery.fail(ctx, change.rank, ctx.record.ts, f"rank {change.rank} slows the job: {why}")
 
 
 def _step_nonfinite(ctx: Context, record: StepNonFinite) -> None:

@@ -116,6 +116,7 @@ def fail_ranks(
         return
 
     state.generation += 1
+    state.step_scores.restart(set(ranks))  # new processes, new timings: scored afresh
     moved = _move_store(state)  # first: the replacements are told where they meet
     place(ctx, ranks, incident.incident_id)
     for rank in ranks:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from flashrecovery.engine.links import LinkBook
+from flashrecovery.engine.stragglers import StepScores
 from flashrecovery.errors import IllegalTransition
 from flashrecovery.records import JobStarted
 from flashrecovery.statemachines.base import Stamp, Trigger
@@ -308,6 +309,9 @@ class EngineState:
     # Ranks that sent a recipient state that differed from what their lead donor held
     # (RestoreRejected): no donors again while another replica of their shard can be.
     suspect_donors: set[int] = field(default_factory=set)
+    # The ranks' compute times, scored against their peers' (engine/stragglers.py); sized
+    # from JobStarted.
+    step_scores: StepScores = field(default_factory=lambda: StepScores(window=20, ratio=2.0))
 
     def __post_init__(self) -> None:
         self.ranks = RankTable(self.sweeps, self._settle)

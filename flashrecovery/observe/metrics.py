@@ -164,6 +164,12 @@ def families(
     for action, count in sorted(state.nonfinite.items()):
         nonfinite.add_metric([job, action], count)
     yield nonfinite
+    stragglers = _gauge(
+        "stragglers", "Named as slowing the job now: nodes (link), ranks (step_time)", ["cause"]
+    )
+    stragglers.add_metric([job, "link"], len(state.stragglers))
+    stragglers.add_metric([job, "step_time"], len(state.step_scores.named))
+    yield stragglers
     rejected = _counter("records_rejected", "Records decide refused (malformed, nonsensical)", [])
     rejected.add_metric([job], state.rejected.total())
     yield rejected

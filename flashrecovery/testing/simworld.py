@@ -41,6 +41,7 @@ from flashrecovery.records import (
     SpawnReplacement,
     StateTransferred,
     StepCompleted,
+    StragglerPolicy,
     Stream,
 )
 
@@ -62,6 +63,10 @@ class SimulatedWorld:
     spare_pids: dict[int, int] = field(default_factory=dict)
     answered: int = 0  # decisions reacted to so far
     garbled_restores: int = 0  # this many resume plans' recipients find their state garbled
+    # rank -> how many times its peers' compute time its steps take (engine/stragglers.py)
+    slowdown: dict[int, float] = field(default_factory=dict)
+    straggler_policy: StragglerPolicy = StragglerPolicy.REPORT
+    straggler_steps: int = 20
     _next_pid: int = 1000
     _next_spare: int = 0
 
@@ -89,6 +94,8 @@ class SimulatedWorld:
                 spares=self.spares,
                 heartbeat_interval_s=self.heartbeat_interval_s,
                 shards=self.shards,
+                straggler_policy=self.straggler_policy,
+                straggler_steps=self.straggler_steps,
             )
         ]
         for _ in range(self.spares):
@@ -128,6 +135,7 @@ class SimulatedWorld:
                     rank=rank,
                     step=step,
                     duration_s=self.step_s,
+                    compute_s=round(self.step_s / 2 * self.slowdown.get(rank, 1.0), 6),
                     loss=round(1.0 / (step + 1), 6),
                 )
             self.committed = step

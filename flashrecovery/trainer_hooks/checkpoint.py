@@ -31,10 +31,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import _init_optim_state
-from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 from flashrecovery.errors import ProtocolError
+from flashrecovery.trainer_hooks.dtensors import local
 
 MARKER = "COMPLETE"
 # How long rank 0 waits for the other ranks' parts of one checkpoint: a rank lost meanwhile
@@ -52,16 +52,11 @@ def part_dir(path: Path, rank: int) -> Path:
     return path / f"rank-{rank:05d}"
 
 
-def _local(value: Any) -> Any:
-    """A DTensor's local tensor (the same storage), anything else as it is."""
-    return value.to_local() if isinstance(value, DTensor) else value
-
-
 def stage(state: dict[str, Any]) -> dict[str, Any]:
     """A copy of the state (DTensors as their local tensors) that training no longer changes."""
     with torch.no_grad():
         copied: dict[str, Any] = tree_map(
-            lambda v: _local(v).clone() if isinstance(v, torch.Tensor) else v, state
+            lambda v: local(v).clone() if isinstance(v, torch.Tensor) else v, state
         )
     return copied
 
@@ -78,7 +73,7 @@ def load(path: Path, rank: int, state: dict[str, Any]) -> dict[str, Any]:
     if not (path / MARKER).is_file():
         raise ProtocolError(f"{path} has no {MARKER} marker: not a complete checkpoint")
     with torch.no_grad():
-        template: dict[str, Any] = tree_map(_local, state)  # views of the same storage
+        template: dict[str, Any] = tree_map(local, state)  # views of the same storage
         dcp.load(template, checkpoint_id=str(part_dir(path, rank)), no_dist=True)
     loaded: dict[str, Any] = tree_map(
         lambda held, read: held if isinstance(held, torch.Tensor) else read, state, template

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from flashrecovery.trainer_hooks.nonfinite import local
+from flashrecovery.trainer_hooks.dtensors import local
 
 INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 DIGEST_CHARS = 16  # of the SHA-256's hex: what a vote and a record carry

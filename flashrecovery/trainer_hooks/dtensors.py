@@ -16,3 +16,8 @@ if TYPE_CHECKING:
 def is_dtensor(value: Any) -> TypeGuard[DTensor]:
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(value, module.DTensor)
+
+
+def local(value: Any) -> Any:
+    """A DTensor's local tensor (the same storage, no collective), anything else as it is."""
+    return value.to_local() if is_dtensor(value) else value

@@ -16,16 +16,9 @@ from collections.abc import Iterable
 
 import torch
 
+from flashrecovery.trainer_hooks.dtensors import local
+
 _NARROW = {torch.float16, torch.bfloat16}  # summed in float32: a large finite sum stays finite
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local tensor (no collective), any other tensor as it is."""
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    if dtensor is not None and isinstance(tensor, dtensor.DTensor):
-        shard: torch.Tensor = tensor.to_local()
-        return shard
-    return tensor
 
 
 def looks(step: int, rank: int, world: int, shards: int, reduced: bool) -> bool:
@@ -42,7 +35,7 @@ def found(
     """What is NaN or infinite in a step, in a few words ("loss nan", ``what``), else None."""
     if loss is not None and not math.isfinite(loss):
         return f"loss {loss}"
-    if sys.modules.get("torch.distributed.tensor") is not None:
+    if sys.modules.get("torch.distributed.tensor") is not None:  # else none is a DTensor
         gradients = [local(g) for g in gradients]
     sums = [g.sum(dtype=torch.float32 if g.dtype in _NARROW else None) for g in gradients]
     if not sums:

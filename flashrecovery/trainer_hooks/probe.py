@@ -20,7 +20,9 @@ while the process (and its heartbeats) live on, so only the stall detector can f
 makes one of the rank's gradients NaN before the commit looks at them (trainer_hooks/nonfinite.py),
 a fault of the values that the process lives through (plan it twice at one step for a step that
 is non-finite when recomputed too); ``bitflip`` flips one bit of one of its parameters (a silent
-corruption of its state, found when the replicas compare their states: digest.py). During a
+corruption of its state, found when the replicas compare their states: digest.py); ``slow``
+makes the rank's next SLOW_STEPS steps take 3x their compute time (a straggler, found from its
+compute times against its peers': engine/stragglers.py). During a
 recovery, at the member's committed step: ``regroup`` SIGKILLs a member as it starts to join a
 new generation, ``group_build`` as it starts to build the generation's group (its ring
 neighbours wait for it while theirs form), and ``donor_send`` kills a donor in the middle of
@@ -40,6 +42,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 ENV = "FLASHRECOVERY_FAULT_PLAN"
+SLOW_STEPS = 12  # how long the ``slow`` fault lasts, in the rank's steps
+SLOW_FACTOR = 2.0  # what a slowed step adds, in its own compute times
 
 
 class Point(StrEnum):
@@ -66,6 +70,7 @@ class Action(StrEnum):
     NAN = "nan"  # done by the caller: the probe has no hold on the values
     BITFLIP = "bitflip"  # likewise
     GARBLE = "garble"  # likewise, by a donor as it sends its state
+    SLOW = "slow"  # likewise: the rank computes slower for a while (session.py)
 
 
 class InjectedFault(RuntimeError):

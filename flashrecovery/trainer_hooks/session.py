@@ -50,7 +50,7 @@ from flashrecovery.trainer_hooks.gradients import ReducedGradients
 from flashrecovery.trainer_hooks.heartbeat import HeartbeatThread
 from flashrecovery.trainer_hooks.loader import BatchSource, adopt, adopted
 from flashrecovery.trainer_hooks.membership import RECOVERY_TIMEOUT_S, Membership
-from flashrecovery.trainer_hooks.probe import Action, Point, Probe
+from flashrecovery.trainer_hooks.probe import SLOW_FACTOR, SLOW_STEPS, Action, Point, Probe
 from flashrecovery.trainer_hooks.recovery import Recovery
 from flashrecovery.trainer_hooks.training_state import Stateful, TrainingState
 
@@ -75,6 +75,9 @@ class Session:
         self._state = TrainingState()
         self._step_record = 0  # the number of this rank's last StepCompleted handed over
         self._step_started = 0.0
+        self._computing_since = 0.0  # after the step's checkpoint save, if any (waits.py)
+        self._compute_s = 0.0  # the step's time not spent waiting on peers, up to its vote
+        self._slowed_until = -1  # the ``slow`` fault (probe.py): steps before this are slowed
         # (generation, step, votes on it that ended with no step and no regroup): the step's
         # next vote is a new one, under its own key
         self._revotes = (-1, -1, 0)
@@ -317,6 +320,8 @@ class Session:
         self._state.begin_step()
         if self._checkpoints is not None and self._checkpoints.due_next:
             self._save_checkpoint(self._checkpoints)
+        self._member.stable.clock.take()
+        self._computing_since = time.perf_counter()
         return self._state.committed_step + 1
 
     def _end_step(self) -> None:
@@ -376,12 +381,17 @@ class Session:
             nonfinite.poison(_gradients(model))
         elif fault is Action.BITFLIP:
             digest.flip_bit(model)
+        elif fault is Action.SLOW:
+            self._slowed_until = step + SLOW_STEPS
+        if step < self._slowed_until:
+            time.sleep(SLOW_FACTOR * (time.perf_counter() - self._computing_since))
         self._machine.fire(Trigger.VOTE)  # heartbeats now say: held up by the peers, if anyone
         try:
             reduced = None
             if not member.stable.in_use:
                 params = [p for p in model.parameters() if p.requires_grad]
-                reduced = ReducedGradients.reduce(member.group, params, member.superseded)
+                with member.stable.clock.waiting():
+                    reduced = ReducedGradients.reduce(member.group, params, member.superseded)
             self._probe(Point.AFTER_REDUCE, member.rank, step)
             failure = member.stable.error()  # a collective of the user's failed this step
         except (RuntimeError, Superseded) as exc:  # a peer vanished (gloo fails within
@@ -401,6 +411,8 @@ class Session:
                 again=state.nonfinite_step == step,
                 digest=self._digest(step),
             )
+            waited = member.stable.clock.take()
+            self._compute_s = max(0.0, time.perf_counter() - self._computing_since - waited)
             verdict = member.vote(step, self._step_record, ballot, self._attempt(step))
         if verdict is vote.Verdict.COMMITTED:
             self._machine.fire(Trigger.COMMIT)
@@ -480,6 +492,7 @@ class Session:
             rank=self.rank,
             step=step,
             duration_s=round(time.perf_counter() - self._step_started, 6),
+            compute_s=round(self._compute_s, 6),
             loss=loss,
             skipped=skipped,
         )

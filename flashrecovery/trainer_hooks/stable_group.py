@@ -30,6 +30,7 @@ from flashrecovery.errors import Superseded
 from flashrecovery.trainer_hooks import groups, inflight
 from flashrecovery.trainer_hooks.env import GroupRebuild
 from flashrecovery.trainer_hooks.groups import COLLECTIVE_TIMEOUT
+from flashrecovery.trainer_hooks.waits import WaitClock
 
 BACKEND = "flashrecovery"
 GLOO, NCCL = dist.ProcessGroup.BackendType.GLOO, dist.ProcessGroup.BackendType.NCCL
@@ -118,11 +119,13 @@ class _GuardedWork(dist.Work):
         result: list[Any],
         fail: Callable[[str], None],
         superseded: Callable[[], bool],
+        finished: Callable[[], None],
     ) -> None:
+        """``finished``: told once the collective is done (waits.py)."""
         super().__init__()
         self._work: dist.Work | None = work
         self._group, self._superseded = group, superseded
-        self._result, self._fail = result, fail
+        self._result, self._fail, self._finished = result, fail, finished
 
     def wait(self, timeout: object = None) -> bool:
         work, self._work = self._work, None
@@ -131,15 +134,17 @@ class _GuardedWork(dist.Work):
                 inflight.wait(work, self._group, self._superseded)
             except (RuntimeError, Superseded) as exc:  # torch's errors, DistError included
                 self._fail(str(exc))
+            self._finished()
         return True
 
     def is_completed(self) -> bool:
         return self._work is None or bool(self._work.is_completed())
 
     def get_future(self) -> torch.futures.Future[Any]:
-        result, fail = self._result, self._fail
+        result, fail, finished = self._result, self._fail, self._finished
 
         def settle(future: torch.futures.Future[Any]) -> Any:
+            finished()
             try:
                 return future.value()
             except (RuntimeError, Superseded) as exc:
@@ -261,13 +266,15 @@ class StableGroup(dist.ProcessGroup):
         device: str,
         superseded: Callable[[], bool] = lambda: False,
         reconfigure: bool = False,
+        clock: WaitClock | None = None,
     ) -> None:
         """``superseded()``: whether a generation newer than the attached one is planned.
         ``reconfigure``: keep one ``Reconfigurable`` backend, reconfigured per generation
-        (else a new backend per generation)."""
+        (else a new backend per generation). ``clock``: times its collectives (waits.py)."""
         super().__init__(rank, size)
         self._name, self._desc, self._device = name, name, device
         self._superseded = superseded
+        self._clock = clock or WaitClock()
         self._lock = threading.Lock()
         self._inner: _Generation | None = None
         self._reconfigures = reconfigure
@@ -343,12 +350,14 @@ class StableGroup(dist.ProcessGroup):
             inner = None if self._error is not None else self._inner
         if inner is None:
             return _DoneWork(_local_outputs(op, args, self.size()))
+        finished = self._clock.launched()
         try:
             work = getattr(inner.group, op)(*args, **options)
         except RuntimeError as exc:
+            finished()
             self.fail(str(exc))
             return _DoneWork(_local_outputs(op, args, self.size()))
-        return _GuardedWork(work, inner, _outputs(args), self.fail, self._superseded)
+        return _GuardedWork(work, inner, _outputs(args), self.fail, self._superseded, finished)
 
     # ------------------------------------------------------------------ naming (DeviceMesh)
 
@@ -388,10 +397,13 @@ class StableGroups:
         device: str,
         superseded: Callable[[], bool] = lambda: False,
         rebuild: GroupRebuild = GroupRebuild.FRESH,
+        clock: WaitClock | None = None,
     ) -> None:
         """``rebuild``: FRESH, a new backend per generation, or RECONFIGURE, one
-        ``Reconfigurable`` backend per group for the whole job."""
+        ``Reconfigurable`` backend per group for the whole job. ``clock``: how long the
+        groups' collectives were outstanding (waits.py)."""
         self.device = device  # "cuda" (NCCL underneath) or "cpu" (gloo)
+        self.clock = clock or WaitClock()
         self._superseded = superseded
         self._reconfigure = rebuild == GroupRebuild.RECONFIGURE
         self._groups: list[StableGroup] = []
@@ -411,6 +423,7 @@ class StableGroups:
             self.device,
             self._superseded,
             self._reconfigure,
+            self.clock,
         )
         self._groups.append(group)
         if self._formed is not None:

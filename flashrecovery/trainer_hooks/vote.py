@@ -60,8 +60,9 @@ FINITE = Ballot()
 
 
 def vote_key(generation: int, step: int, attempt: int = 0) -> str:
-    """The vote on ``step``'s ``attempt`` in ``generation``: a step found non-finite is voted
-    on again, after the same members computed it again (a recovery makes a new generation)."""
+    """The vote on ``step``'s ``attempt`` in ``generation``: a step is voted on again by the
+    same members after it was found non-finite (and computed again), or after its vote closed
+    with no failure behind it (``StepRetried``); a recovery makes a new generation instead."""
     return f"gen/{generation}/vote/{step}" + (f"/{attempt}" if attempt else "")
 
 

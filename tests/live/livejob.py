@@ -25,7 +25,7 @@ from flashrecovery.agent import Agent, AgentConfig
 from flashrecovery.agent.config import RunAs
 from flashrecovery.connectors import LogConnector, open_log
 from flashrecovery.connectors.follow import StreamCursor
-from flashrecovery.records import Envelope, NonFinitePolicy, Stream
+from flashrecovery.records import Envelope, NonFinitePolicy, StragglerPolicy, Stream
 from flashrecovery.trainer_hooks.digest import DEFAULT_VERIFY_EVERY
 from flashrecovery.trainer_hooks.probe import FaultPlan
 
@@ -148,6 +148,8 @@ def run_job(
     run_as: RunAs = RunAs.SCRIPT,
     nonfinite_policy: NonFinitePolicy = NonFinitePolicy.FAIL,
     verify_every: int = DEFAULT_VERIFY_EVERY,
+    straggler_policy: StragglerPolicy = StragglerPolicy.REPORT,
+    straggler_steps: int = 20,
 ) -> JobResult:
     """Run the training script on ``nproc`` ranks; ``kill_at`` maps rank -> the step after whose
     commit (as the log shows it) the rank's process is SIGKILLed from outside; ``scenario``
@@ -181,6 +183,8 @@ def run_job(
             run_as=run_as,
             nonfinite_policy=nonfinite_policy,
             verify_every=verify_every,
+            straggler_policy=straggler_policy,
+            straggler_steps=straggler_steps,
         )
     )
     result: dict[str, int] = {}

@@ -39,6 +39,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="final parameters go here")
     parser.add_argument("--step-time", type=float, default=0.0, help="simulated compute, s")
     parser.add_argument(
+        "--work",
+        type=int,
+        default=0,
+        help="real compute: small matmuls a step (a slowed CPU "
+        "slows them, unlike --step-time's sleep); leaves the training's numbers alone",
+    )
+    parser.add_argument(
         "--raise-at", default=None, metavar="RANK@STEP", help="every process of RANK raises there"
     )
     parser.add_argument(
@@ -69,6 +76,7 @@ def main() -> None:
         x, y = batch(0, 0)
         F.mse_loss(model(x), y).backward()
 
+    busy = torch.ones(96, 96)
     session.register(model, optimizer, warmup=warmup)
     with session:
         for step in session.steps(args.steps):
@@ -80,6 +88,8 @@ def main() -> None:
             loss = F.mse_loss(model(x), y)
             loss.backward()
             time.sleep(args.step_time)
+            for _ in range(args.work):
+                busy.mm(busy)
             if session.commit(loss=loss.item()) and args.parallel == "ddp":
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
