@@ -61,8 +61,8 @@ def join(config: AgentConfig, start_job: Callable[[str], None]) -> Membership:
     agent) appends JobStarted, naming where generation 0 meets, before any other node can see
     the job."""
     endpoint = config.rdzv_endpoint
-    if endpoint is None:
-        store = own = JobStore.open(STORE_TIMEOUT)
+    if endpoint is None:  # one node: the secret given (FLASHRECOVERY_STORE_PREFIX), or a new one
+        store = own = JobStore.open(STORE_TIMEOUT, prefix=config.store_secret)
     elif config.hosts_store:
         store = own = JobStore.open(
             STORE_TIMEOUT, endpoint.host, endpoint.port, config.store_secret

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from flashrecovery.agent.config import LOOPBACK, is_loopback
 from flashrecovery.errors import ConfigError
+from flashrecovery.trainer_hooks.env import SECRET
 from flashrecovery.trainer_hooks.groups import job_keys
 
 BACKLOG = 128  # pending connections: every rank and spare connects two clients at start
@@ -95,7 +96,7 @@ class JobStore:
         return {
             "MASTER_ADDR": self.host,
             "MASTER_PORT": str(self.port),
-            "FLASHRECOVERY_STORE_PREFIX": self.prefix,
+            SECRET: self.prefix,
             "GLOO_SOCKET_IFNAME": interface_of(LOOPBACK if is_loopback(self.host) else self.host),
         }
 

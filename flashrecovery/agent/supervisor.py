@@ -25,7 +25,7 @@ import psutil
 
 from flashrecovery.agent import script_main
 from flashrecovery.agent.forkserver import ForkedProcess, ForkServer, Task
-from flashrecovery.trainer_hooks.env import Role
+from flashrecovery.trainer_hooks.env import SECRET, SECRET_FD, Role
 
 TERM_GRACE_S = 3.0  # SIGTERM, then SIGKILL what is still there
 UNRUNNABLE = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP, psutil.STATUS_ZOMBIE)
@@ -242,7 +242,18 @@ class Supervisor:
 
 
 def _start(command: list[str], env: dict[str, str], output: Path | None) -> subprocess.Popen[bytes]:
-    """A new interpreter for the child (``--start-method exec``, or no fork server)."""
+    """A new interpreter for the child (``--start-method exec``, or no fork server). The job's
+    secret goes through a pipe, never its environment: a new interpreter's is readable in
+    /proc/<pid>/environ for its whole life (a forked child's shows its fork server's, which
+    never holds it)."""
+    env = dict(env)
+    secret = env.pop(SECRET, None)
+    handed: tuple[int, ...] = ()
+    if secret is not None:
+        read_end, write_end = os.pipe()
+        os.write(write_end, secret.encode())  # far below a pipe's capacity
+        os.close(write_end)
+        env[SECRET_FD], handed = str(read_end), (read_end,)
     out = None if output is None else open(output, "wb")  # noqa: SIM115
     try:
         return subprocess.Popen(
@@ -251,10 +262,13 @@ def _start(command: list[str], env: dict[str, str], output: Path | None) -> subp
             stdout=out,
             stderr=subprocess.STDOUT if out else None,
             start_new_session=True,
+            pass_fds=handed,
         )
     finally:
         if out is not None:
             out.close()  # the child holds its own descriptor
+        for fd in handed:
+            os.close(fd)
 
 
 def _signal_group(child: Child, sig: signal.Signals) -> None:

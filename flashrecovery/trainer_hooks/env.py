@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ GROUP_REBUILD = "FLASHRECOVERY_GROUP_REBUILD"
 NONFINITE_POLICY = "FLASHRECOVERY_NONFINITE_POLICY"
 VERIFY_EVERY = "FLASHRECOVERY_VERIFY_EVERY"
 NODE_STORE = "FLASHRECOVERY_NODE_STORE"
+SECRET = "FLASHRECOVERY_STORE_PREFIX"  # the job's secret, where the process may show it
+SECRET_FD = "FLASHRECOVERY_STORE_PREFIX_FD"  # else a pipe that holds it (agent/supervisor.py)
 E = TypeVar("E", bound=StrEnum)
 
 
@@ -101,7 +104,9 @@ class LaunchEnv:
                 job_id=need("FLASHRECOVERY_JOB_ID"),
                 master_addr=need("MASTER_ADDR"),
                 master_port=int(need("MASTER_PORT")),
-                store_prefix=need("FLASHRECOVERY_STORE_PREFIX"),
+                store_prefix=(
+                    _read_secret(int(env[SECRET_FD])) if SECRET_FD in env else need(SECRET)
+                ),
                 world_size=int(need("WORLD_SIZE")),
                 heartbeat_interval_s=float(need("FLASHRECOVERY_HEARTBEAT_INTERVAL")),
                 role=role,
@@ -124,3 +129,11 @@ class LaunchEnv:
             )
         except ValueError as exc:
             raise LaunchError(f"bad launch environment: {exc}") from None
+
+
+@functools.cache
+def _read_secret(fd: int) -> str:
+    """The job's secret from the pipe the agent handed a new interpreter (read once: the pipe
+    is closed after it)."""
+    with os.fdopen(fd, "rb") as pipe:
+        return pipe.read().decode()

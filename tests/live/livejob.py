@@ -150,6 +150,7 @@ def run_job(
     verify_every: int = DEFAULT_VERIFY_EVERY,
     straggler_policy: StragglerPolicy = StragglerPolicy.REPORT,
     straggler_steps: int = 20,
+    store_secret: str | None = None,  # the job's (else the agent makes one)
 ) -> JobResult:
     """Run the training script on ``nproc`` ranks; ``kill_at`` maps rank -> the step after whose
     commit (as the log shows it) the rank's process is SIGKILLed from outside; ``scenario``
@@ -185,6 +186,7 @@ def run_job(
             verify_every=verify_every,
             straggler_policy=straggler_policy,
             straggler_steps=straggler_steps,
+            store_secret=store_secret,
         )
     )
     result: dict[str, int] = {}

@@ -19,6 +19,7 @@ from flashrecovery.trainer_hooks import barrier, groups, vote
 
 pytestmark = pytest.mark.timeout(240)
 LOOPBACK = {"127.0.0.1", "::1"}
+SECRET = "exposure-test-secret-5f1c9a"  # the job's, given to it: a process that holds it
 STEP_TIME_S = 0.1  # the forgery lands while most of the run's steps are still to come
 
 
@@ -47,6 +48,7 @@ class Intruder:
         self.forged: dict[str, str] = {}
         self.read_back: dict[str, str] = {}
         self.argv_with_secret: list[str] = []
+        self.environ_with_secret: list[str] = []
 
     def __call__(self, record: Envelope, known: Processes) -> bool:
         """A scenario step of run_job: done once it has forged."""
@@ -65,11 +67,16 @@ class Intruder:
         self.listening = {name: listening(pid) for name, pid in self.pids.items()}
         environ = psutil.Process(self.pids["rank:0"]).environ()
         self.store_port = int(environ["MASTER_PORT"])
-        secret = environ["FLASHRECOVERY_STORE_PREFIX"]
         self.argv_with_secret = [
             name
             for name, pid in self.pids.items()
-            if secret in " ".join(psutil.Process(pid).cmdline())
+            if SECRET in " ".join(psutil.Process(pid).cmdline())
+        ]
+        self.environ_with_secret = [
+            name
+            for name, pid in self.pids.items()
+            if name != "agent"  # the test's process: given the secret by the test
+            and SECRET in " ".join(f"{k}={v}" for k, v in psutil.Process(pid).environ().items())
         ]
 
     def forge(self) -> None:
@@ -96,14 +103,19 @@ def test_a_job_listens_on_loopback_only_and_ignores_forged_keys(
 ) -> None:
     intruder = Intruder()
     # New interpreters: their /proc/<pid>/environ is the environment they were started with
-    # (a forked rank's shows its command line there instead: agent/forkserver.py).
+    # (a forked rank's shows its fork server's: agent/forkserver.py), and holds no secret.
     job = run_job(
-        tmp_path, spares=1, scenario=[intruder], step_time_s=STEP_TIME_S, start_method="exec"
+        tmp_path,
+        spares=1,
+        scenario=[intruder],
+        step_time_s=STEP_TIME_S,
+        start_method="exec",
+        store_secret=SECRET,
     )
 
     assert set(intruder.listening) == {"agent", *(f"rank:{r}" for r in range(WORLD))}
     assert ("127.0.0.1", intruder.store_port) in intruder.listening["agent"]
-    assert intruder.argv_with_secret == []
+    assert intruder.argv_with_secret == [] and intruder.environ_with_secret == []
     for name, addresses in intruder.listening.items():
         assert {ip for ip, _ in addresses} <= LOOPBACK, f"{name} listens on {addresses}"
     for rank in range(WORLD):  # each rank's gloo device listens too
@@ -122,9 +134,9 @@ HELD_AT, CLOSED_AT = 6, 8
 
 
 class Closer:
-    """A scenario step: a process holding the job's secret (read where `--start-method exec`
-    leaves it) closes the vote of a step ahead, with no failure behind it, then opens the gate
-    the ranks wait at before step HELD_AT."""
+    """A scenario step: a process holding the job's secret (this test's, which gave it to the
+    job) closes the vote of a step ahead, with no failure behind it, then opens the gate the
+    ranks wait at before step HELD_AT."""
 
     def __init__(self, gate: Path) -> None:
         self.gate = gate
@@ -133,9 +145,7 @@ class Closer:
         if not isinstance(record, StepCompleted) or len(known.ranks) < WORLD:
             return False
         environ = psutil.Process(known.ranks[0]).environ()
-        store = groups.connect_store(
-            f"127.0.0.1:{environ['MASTER_PORT']}", environ["FLASHRECOVERY_STORE_PREFIX"]
-        )
+        store = groups.connect_store(f"127.0.0.1:{environ['MASTER_PORT']}", SECRET)
         assert vote.close(store, vote.vote_key(0, CLOSED_AT), WORLD) is vote.Verdict.ABORTED
         self.gate.touch()
         return True
@@ -152,6 +162,7 @@ def test_a_vote_closed_with_no_failure_behind_it_is_voted_on_again(
         tmp_path,
         scenario=[Closer(gate)],
         start_method="exec",
+        store_secret=SECRET,
         script_args=["--hold-at", str(HELD_AT), "--hold-file", str(gate)],
     )
     assert job.exit_code == 0, job.records(type="job_finished")
