@@ -19,7 +19,7 @@ from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOption
 
 from flashrecovery.errors import LaunchError
 from flashrecovery.trainer_hooks import ddp, stable_group
-from flashrecovery.trainer_hooks.env import GROUP_REBUILD, LaunchEnv
+from flashrecovery.trainer_hooks.env import GROUP_REBUILD, SECRET, SECRET_FD, LaunchEnv
 from flashrecovery.trainer_hooks.position import DataPosition
 
 TIMEOUT = datetime.timedelta(seconds=30)
@@ -278,21 +278,37 @@ def test_data_position_round_trips() -> None:
     assert (other.epoch, other.batch) == (3, 0)
 
 
+LAUNCH = {
+    "FLASHRECOVERY_ROLE": "rank",
+    "FLASHRECOVERY_JOB_ID": "j",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "1",
+    "FLASHRECOVERY_STORE_PREFIX": "secret",
+    "WORLD_SIZE": "2",
+    "FLASHRECOVERY_HEARTBEAT_INTERVAL": "1",
+    "RANK": "0",
+    "FLASHRECOVERY_AGENT_SOCKET": "/tmp/s",
+    "FLASHRECOVERY_AGENT_LINK": "/tmp/l",
+}
+
+
 def test_the_group_rebuild_comes_from_the_launch_and_a_bad_one_is_refused() -> None:
-    launch = {
-        "FLASHRECOVERY_ROLE": "rank",
-        "FLASHRECOVERY_JOB_ID": "j",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": "1",
-        "FLASHRECOVERY_STORE_PREFIX": "secret",
-        "WORLD_SIZE": "2",
-        "FLASHRECOVERY_HEARTBEAT_INTERVAL": "1",
-        "RANK": "0",
-        "FLASHRECOVERY_AGENT_SOCKET": "/tmp/s",
-        "FLASHRECOVERY_AGENT_LINK": "/tmp/l",
-    }
+    launch = LAUNCH
     assert LaunchEnv.from_environ(launch).group_rebuild == "fresh"
     chosen = LaunchEnv.from_environ({**launch, GROUP_REBUILD: "reconfigure"})
     assert chosen.group_rebuild == "reconfigure"
     with pytest.raises(LaunchError, match="FLASHRECOVERY_GROUP_REBUILD='rebuild'"):
         LaunchEnv.from_environ({**launch, GROUP_REBUILD: "rebuild"})
+
+
+def test_the_secret_is_read_from_the_pipe_the_agent_hands_a_new_interpreter() -> None:
+    launch = {k: v for k, v in LAUNCH.items() if k != SECRET}
+    read_end, write_end = os.pipe()
+    os.write(write_end, b"piped-secret")
+    os.close(write_end)
+    env = LaunchEnv.from_environ({**launch, SECRET_FD: str(read_end)})
+    assert env.store_prefix == "piped-secret" and "piped-secret" not in repr(env)
+    with pytest.raises(OSError):  # read once, then closed
+        os.fstat(read_end)
+    with pytest.raises(LaunchError, match="FLASHRECOVERY_STORE_PREFIX is not set"):
+        LaunchEnv.from_environ(launch)
