@@ -70,6 +70,20 @@ class NonFiniteStepError(ScriptError):
     ``--nonfinite-policy`` is fail: the message names the ranks and the step."""
 
 
+class LostAfterTraining(ScriptError):
+    """A collective the script runs after its training loop (its own checkpoint save, a final
+    evaluation) lost a peer: recovery covers the training steps only, so what it computes would
+    be wrong, and the job fails instead of writing it (docs/hook.md, "After the last step")."""
+
+    def __init__(self, error: str) -> None:
+        super().__init__(
+            "a peer was lost after the job's last committed step, in a collective the script "
+            f"runs after training ({error[:200]}): flashrecovery recovers the training steps "
+            "only, and what this collective computes would be wrong; save checkpoints with "
+            "`flashrecovery run --checkpoint-dir`, or before the last commit (docs/hook.md)"
+        )
+
+
 class ProtocolError(FlashRecoveryError):
     """The engine's plan contradicts this rank's state: a bug, never retried as a failure."""
 

@@ -229,6 +229,7 @@ class Session:
         while self._state.committed_step + 1 < total:
             yield self._begin_step()
             self._end_step()
+        self._member.stable.training_over()
 
     def epochs(self, total: int) -> Iterator[int]:
         """Yield the epochs to run, ``0..total-1``, from the one the job is in: a replacement
@@ -242,6 +243,7 @@ class Session:
             yield epoch
             if position.epoch == epoch:  # else a fallback took the job back to another
                 position.next_epoch()
+        self._member.stable.training_over()
 
     def batches(self, loader: Iterable[T]) -> Iterator[T]:
         """Yield the loader's batches of this epoch as steps, from the data position on: each

@@ -6,6 +6,8 @@ A peer's failure can surface in any collective of a step (DDP's bucket all-reduc
 all-gather or reduce-scatter), inside user code that must not see an exception. So the first
 failure is recorded, every later collective of the generation returns at once with its outputs
 untouched, and ``commit()`` finds the error and aborts the step, which is then recomputed.
+Once the training loop is over no commit follows: a failure then raises ``LostAfterTraining``
+(``StableGroups.training_over()``), never outputs left untouched that a save would write.
 
 Until the process has joined a generation (a replacement builds and wraps its model before it
 receives its state) the group is *local*: an all-gather fills every slot with this rank's
@@ -26,7 +28,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as C10dBackend
 from torch._C._distributed_c10d import ReconfigureOptions
 
-from flashrecovery.errors import Superseded
+from flashrecovery.errors import LostAfterTraining, Superseded
 from flashrecovery.trainer_hooks import groups, inflight
 from flashrecovery.trainer_hooks.env import GroupRebuild
 from flashrecovery.trainer_hooks.groups import COLLECTIVE_TIMEOUT
@@ -121,7 +123,8 @@ class _GuardedWork(dist.Work):
         superseded: Callable[[], bool],
         finished: Callable[[], None],
     ) -> None:
-        """``finished``: told once the collective is done (waits.py)."""
+        """``fail``: records a failure (and raises once training is over); ``finished``: told
+        once the collective is done (waits.py)."""
         super().__init__()
         self._work: dist.Work | None = work
         self._group, self._superseded = group, superseded
@@ -134,7 +137,8 @@ class _GuardedWork(dist.Work):
                 inflight.wait(work, self._group, self._superseded)
             except (RuntimeError, Superseded) as exc:  # torch's errors, DistError included
                 self._fail(str(exc))
-            self._finished()
+            finally:
+                self._finished()
         return True
 
     def is_completed(self) -> bool:
@@ -275,6 +279,7 @@ class StableGroup(dist.ProcessGroup):
         self._name, self._desc, self._device = name, name, device
         self._superseded = superseded
         self._clock = clock or WaitClock()
+        self.training_over = False  # a failure raises from now on (the module's docstring)
         self._lock = threading.Lock()
         self._inner: _Generation | None = None
         self._reconfigures = reconfigure
@@ -347,7 +352,9 @@ class StableGroup(dist.ProcessGroup):
     def _run(self, op: str, args: Sequence[Any], options: dict[str, Any]) -> dist.Work:
         """``options``: what torch passes by keyword (``dist.barrier()`` gives ``opts=``)."""
         with self._lock:
-            inner = None if self._error is not None else self._inner
+            inner, error = (None, self._error) if self._error is not None else (self._inner, None)
+        if error is not None and self.training_over:
+            raise LostAfterTraining(error)
         if inner is None:
             return _DoneWork(_local_outputs(op, args, self.size()))
         finished = self._clock.launched()
@@ -355,9 +362,15 @@ class StableGroup(dist.ProcessGroup):
             work = getattr(inner.group, op)(*args, **options)
         except RuntimeError as exc:
             finished()
-            self.fail(str(exc))
+            self._failed(str(exc))
             return _DoneWork(_local_outputs(op, args, self.size()))
-        return _GuardedWork(work, inner, _outputs(args), self.fail, self._superseded, finished)
+        return _GuardedWork(work, inner, _outputs(args), self._failed, self._superseded, finished)
+
+    def _failed(self, error: str) -> None:
+        """A collective of the script's failed: recorded; raised once training is over."""
+        self.fail(error)
+        if self.training_over:
+            raise LostAfterTraining(error)
 
     # ------------------------------------------------------------------ naming (DeviceMesh)
 
@@ -404,6 +417,7 @@ class StableGroups:
         groups' collectives were outstanding (waits.py)."""
         self.device = device  # "cuda" (NCCL underneath) or "cpu" (gloo)
         self.clock = clock or WaitClock()
+        self._training_over = False
         self._superseded = superseded
         self._reconfigure = rebuild == GroupRebuild.RECONFIGURE
         self._groups: list[StableGroup] = []
@@ -425,6 +439,7 @@ class StableGroups:
             self._reconfigure,
             self.clock,
         )
+        group.training_over = self._training_over
         self._groups.append(group)
         if self._formed is not None:
             try:
@@ -432,6 +447,12 @@ class StableGroups:
             except RuntimeError as exc:  # a member failed meanwhile: the step will abort
                 group.fail(str(exc))
         return group
+
+    def training_over(self) -> None:
+        """The script's training loop ended: a collective that fails from now on raises."""
+        self._training_over = True
+        for group in self._groups:
+            group.training_over = True
 
     def attach(self, store: dist.Store, generation: int) -> None:
         self._formed = (store, generation)

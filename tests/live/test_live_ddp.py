@@ -154,3 +154,20 @@ def test_a_stateful_loader_in_its_own_loop_resumes_from_its_state(
     }
     assert min(trained) in (13, 14) and max(trained) == STEPS - 1
     assert replacement["read"] == (len(trained) * 8 if workers == 0 else 0)
+
+
+def test_a_peer_lost_in_the_scripts_collectives_after_training_fails_the_job_in_one_line(
+    tmp_path: Path,
+) -> None:
+    """The script runs all-reduces of its own after its training loop (as a save of its own
+    would); rank 2 is SIGKILLed there. Recovery covers training steps only: the survivors'
+    collective raises instead of returning its input untouched, and the job fails naming why,
+    rather than ending 0 with whatever those collectives computed."""
+    job = run_job(tmp_path, spares=1, kill_at={2: STEPS - 1}, script_args=[*DDP, "--after", "60"])
+    assert job.exit_code != 0
+    [failed] = job.decisions("fail_job")
+    assert "LostAfterTraining: a peer was lost after the job's last committed step" in (
+        failed.last_error
+    )
+    [finished] = job.records(type="job_finished")
+    assert finished.status == "failed"

@@ -57,6 +57,11 @@ def main() -> None:
     )
     parser.add_argument("--hold-file", type=Path, default=None)
     parser.add_argument("--parallel", choices=("hook", "ddp"), default="hook")
+    parser.add_argument(
+        "--after", type=int, default=0, metavar="N",
+        help="with --parallel ddp: N all-reduces 50 ms apart after the training loop, as a "
+        "script's own final save or evaluation would run collectives",
+    )  # fmt: skip
     args = parser.parse_args()
     raise_rank, _, raise_step = (args.raise_at or "-1@-1").partition("@")
 
@@ -93,6 +98,9 @@ def main() -> None:
             if session.commit(loss=loss.item()) and args.parallel == "ddp":
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+        for _ in range(args.after):
+            torch.distributed.all_reduce(torch.ones(4))
+            time.sleep(0.05)
         params = torch.cat([t.detach().reshape(-1) for t in model.state_dict().values()])
         saved = {"params": params, "pid": os.getpid(), "frozen": gc.get_freeze_count()}
         torch.save(saved, args.out / f"rank{session.rank}.pt")
