@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, BarrierOptions
 
-from flashrecovery.errors import LaunchError
+from flashrecovery.errors import LaunchError, LostAfterTraining
 from flashrecovery.trainer_hooks import ddp, stable_group
 from flashrecovery.trainer_hooks.env import GROUP_REBUILD, SECRET, SECRET_FD, LaunchEnv
 from flashrecovery.trainer_hooks.position import DataPosition
@@ -48,7 +48,7 @@ def test_a_group_in_no_generation_is_local() -> None:
     assert group.error is None
 
 
-def _ddp_rank(rank: int, port: int, out: str, device: str) -> None:
+def _ddp_rank(rank: int, port: int, out: str, device: str, after_training: bool = False) -> None:
     torch.set_num_threads(1)
     if device == "cuda":
         torch.cuda.set_device(rank)
@@ -67,6 +67,21 @@ def _ddp_rank(rank: int, port: int, out: str, device: str) -> None:
     store.wait(["stepped/1"])
     while stable.error() is None:  # the peer's death surfaces in a step's all-reduce
         model(batch).sum().backward()
+    if after_training:  # the script's loop is over: no commit follows to abort anything
+        stable.training_over()
+        said = []
+        for collective in (
+            lambda: dist.all_reduce(torch.ones(1, device=device)),
+            lambda: model(batch).sum().backward(),
+        ):
+            try:
+                collective()
+                said.append("returned")
+            except (LostAfterTraining, RuntimeError) as exc:
+                said.append(type(exc).__name__)
+        said.append(str(stable.lost_after_training() is not None))
+        Path(out).write_text(" ".join(said))
+        os._exit(0)
     # The rest of the step's collectives return at once.
     after = dist.all_reduce(torch.ones(1, device=device), async_op=True)
     assert after is not None and after.is_completed() and after.wait()
@@ -87,6 +102,22 @@ def test_a_dead_peer_in_ddp_backward_is_recorded_not_raised(tmp_path: Path, devi
     victim.join(5)
     assert (survivor.exitcode, victim.exitcode) == (0, -signal.SIGKILL)
     assert out.read_text()  # the backend's own words for the lost peer
+
+
+def test_a_dead_peer_after_the_training_loop_raises(tmp_path: Path) -> None:
+    """Once the loop is over, the same lost peer raises from the script's next collective, and
+    from DDP's backward (through its future), instead of leaving their outputs untouched."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    out = tmp_path / "said.txt"
+    context = mp.start_processes(
+        _ddp_rank, args=(store.port, str(out), "cpu", True), nprocs=2, join=False,
+        start_method="spawn",
+    )  # fmt: skip
+    survivor, victim = context.processes
+    survivor.join(60)
+    victim.join(5)
+    assert survivor.exitcode == 0
+    assert out.read_text() == "LostAfterTraining LostAfterTraining True"
 
 
 def _reconfigured_rank(rank: int, port: int, out: str, replacement: bool, device: str) -> None:

@@ -21,7 +21,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from flashrecovery import heap
-from flashrecovery.errors import ConfigError, NonFiniteStepError, ScriptError, Superseded
+from flashrecovery.errors import (
+    ConfigError,
+    LostAfterTraining,
+    NonFiniteStepError,
+    ScriptError,
+    Superseded,
+)
 from flashrecovery.records import (
     CheckpointSaved,
     CollectiveError,
@@ -567,6 +573,11 @@ class Session:
         if exc is None:
             self.finish()
             return
+        lost = self._member.stable.lost_after_training()
+        if lost is not None and not isinstance(exc, ScriptError):
+            # What torch raised where a collective's future carried it (DDP's): said as it is.
+            self._close()
+            raise LostAfterTraining(lost) from exc
         if self._member.rank is not None and not isinstance(exc, ScriptError):
             # Say so at once: the interpreter may take seconds to exit after the traceback,
             # and the peers are stuck until the engine replaces this rank. (A ScriptError

@@ -454,6 +454,10 @@ class StableGroups:
         for group in self._groups:
             group.training_over = True
 
+    def lost_after_training(self) -> str | None:
+        """The failure of a collective after the training loop, if one failed."""
+        return self.error() if self._training_over else None
+
     def attach(self, store: dist.Store, generation: int) -> None:
         self._formed = (store, generation)
         for group in self._groups:
