@@ -105,8 +105,8 @@ def test_a_dead_peer_in_ddp_backward_is_recorded_not_raised(tmp_path: Path, devi
 
 
 def test_a_dead_peer_after_the_training_loop_raises(tmp_path: Path) -> None:
-    """Once the loop is over, the same lost peer raises from the script's next collective, and
-    from DDP's backward (through its future), instead of leaving their outputs untouched."""
+    """Once the loop is over, the same lost peer raises from the script's next collective and
+    from DDP's backward, instead of leaving their outputs untouched."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     out = tmp_path / "said.txt"
     context = mp.start_processes(
