@@ -6,8 +6,8 @@ equal on every healthy replica of a shard, so several donors can share it: laid 
 tensors' bytes are cut into as many equal stripes as there are donors, and donor ``i`` sends
 stripe ``i``. The *own* part (RNG, extras, the step: small, possibly different per rank) and
 the replicated part's structure travel as one pickle from the lead donor (stripe 0), with the
-bit sums of every tensor it holds (digest.py): the recipient sums what it received and names the
-donors whose stripes differ (``RestoreMismatch``), before anything of it is loaded or voted on.
+bit sums of every piece of every donor's stripe (digest.py): the recipient sums what it received
+and names the donors whose pieces differ (``RestoreMismatch``), before anything is loaded.
 
 No tensor is copied on the way where it can be avoided: a donor sends each tensor's own
 storage; the recipient receives each straight into the storage of its own tensor at the same
