@@ -47,6 +47,8 @@ class ChainLink(BaseModel):
     writer: str = Field(min_length=1)  # "<source>/<token>": one log handle's records of a source
     seq: int = Field(ge=0)  # 0, 1, 2 … within the writer's chain
     prev: str  # SHA-256 (hex) of the writer's previous record as stored; "" for its first
+    # HMAC-SHA256 (hex) under its source's key (connectors/signing.py); "" when unsigned
+    mac: str = Field(default="", pattern=r"^(?:[0-9a-f]{64})?$")
 
 
 class Envelope(BaseModel):
@@ -656,6 +658,17 @@ class FailJob(Decision):
     reason: str
 
 
+class RecordRejected(Decision):
+    """An event the engine did not believe: unsigned, or not signed by the source it claims
+    (connectors/signing.py). Recorded so a replay without the job's secret rebuilds the
+    engine's view exactly; nothing else is ever decided from that event."""
+
+    type: Literal["record_rejected"] = "record_rejected"
+    rejected_type: str = Field(max_length=64)  # what it claimed to be
+    claimed_source: str = Field(max_length=256)
+    reason: str
+
+
 class IncidentClosed(Decision):
     type: Literal["incident_closed"] = "incident_closed"
     failed_rank: RankId
@@ -714,6 +727,7 @@ DecisionRecord = Annotated[
     | StragglerFound
     | StragglerCleared
     | FailJob
+    | RecordRejected
     | IncidentClosed,
     Field(discriminator="type"),
 ]

@@ -264,16 +264,22 @@ def test_chaos_six_faults_all_recovered_bitwise_equal(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(280)
-def test_chaos_value_faults_are_found_in_the_step_they_land_in(tmp_path: Path) -> None:
+def test_chaos_quiet_faults_are_found_and_change_nothing_they_should_not(tmp_path: Path) -> None:
     """A NaN costs no incident; a flipped bit costs one (the odd replica replaced), and the job
     still ends bitwise equal to its reference: both were found before any rank stepped. A rank
     made 3x slower is named a straggler within its window of 5 steps, and left in place (the
-    report policy)."""
+    report policy). A record of every type forged by a process with no key is rejected or
+    ignored, every one, at no cost."""
     verdict, context, _ = run_chaos(
-        tmp_path, "--faults", "3", "--seed", "0", "--kinds", "nan,bitflip,slow", "--spares", "1"
-    )
+        tmp_path, "--faults", "4", "--seed", "0", "--kinds", "forge,bitflip,slow,nan",
+        "--spares", "1",
+    )  # fmt: skip
     rows = {r["kind"]: r for r in verdict["faults"]}
-    assert sorted(rows) == ["bitflip", "nan", "slow"], context
+    assert sorted(rows) == ["bitflip", "forge", "nan", "slow"], context
+    assert rows["forge"]["incidents"] == [] and rows["forge"]["detection_ms"] is not None, context
+    assert rows["forge"]["notes"] == [
+        "30/30 forged events rejected, 14/14 forged decisions not believed"
+    ], context
     assert all(r["recovered"] for r in rows.values()), context
     assert rows["nan"]["detection_steps"] == rows["bitflip"]["detection_steps"] == 0, context
     assert rows["nan"]["incidents"] == [] and "computed again" in rows["nan"]["notes"][0], context

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
+from factories import engine_env, signed
 
 from flashrecovery.connectors import open_log
 from flashrecovery.connectors.base import LogConnector
@@ -66,6 +67,7 @@ def engines(kafka_log_url: str) -> Iterator[dict[str, subprocess.Popen[str]]]:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            env=engine_env(),
         )
         for name in ("a", "b")
     }
@@ -82,7 +84,7 @@ def test_standby_engine_takes_over_mid_incident(
     kafka_log_url: str, engines: dict[str, subprocess.Popen[str]]
 ) -> None:
     reference = [d.type for d in scripted_failure(MemoryLog(), JOB)]
-    log = open_log(kafka_log_url)
+    log = signed(open_log(kafka_log_url))
     # Heartbeats far apart: the seconds a takeover takes must not look like a silent rank.
     world = SimulatedWorld(JOB, heartbeat_interval_s=60.0, clock=time.time())
 

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from factories import engine_env, signed
 from scrape import scrape, value
 
 from flashrecovery.connectors import open_log
@@ -154,11 +155,13 @@ def test_the_grafana_dashboard_queries_only_metrics_that_exist() -> None:
 def test_engine_service_serves_metrics_with_its_log_lag(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'log.db'}"
     world = SimulatedWorld(JOB, world_size=2, spares=0)
-    with open_log(url) as log:
+    with signed(open_log(url)) as log:
         for record in [*world.start(), *world.train(3)]:  # a job still running
             log.append(Stream.EVENTS, record)
     command = [sys.executable, "-m", "flashrecovery.cli", "engine", "--log", url, "--job", JOB]
-    engine = subprocess.Popen([*command, "--metrics-port", "0"], stdout=subprocess.PIPE, text=True)
+    engine = subprocess.Popen(
+        [*command, "--metrics-port", "0"], stdout=subprocess.PIPE, text=True, env=engine_env()
+    )
     try:
         assert engine.stdout is not None
         lines = [engine.stdout.readline(), engine.stdout.readline()]  # serving…, metrics on…
@@ -178,11 +181,13 @@ def test_engine_service_stopped_as_soon_as_it_announces_itself_exits_cleanly(
     already handle SIGTERM then (it once installed its handler after starting its metrics
     server, so an early stop killed it with -15)."""
     url = f"sqlite:///{tmp_path / 'log.db'}"
-    with open_log(url) as log:
+    with signed(open_log(url)) as log:
         for record in SimulatedWorld(JOB, world_size=2, spares=0).start():
             log.append(Stream.EVENTS, record)
     command = [sys.executable, "-m", "flashrecovery.cli", "engine", "--log", url, "--job", JOB]
-    engine = subprocess.Popen([*command, "--metrics-port", "0"], stdout=subprocess.PIPE, text=True)
+    engine = subprocess.Popen(
+        [*command, "--metrics-port", "0"], stdout=subprocess.PIPE, text=True, env=engine_env()
+    )
     try:
         assert engine.stdout is not None
         assert engine.stdout.readline().startswith("engine ")

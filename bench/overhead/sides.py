@@ -36,12 +36,16 @@ class Side:
     hook: bool  # under flashrecovery run, or plain torch
     baseline: str | None = None  # the side it is measured against
     stable: bool = False  # plain processes over the hook's stable group (no session, no agent)
+    verify_every: int | None = None  # the hook's --verify-every (None: the default, 20)
 
 
 SIDES = {
     "ddp": Side("ddp", hook=False),
     "stable-ddp": Side("ddp", hook=False, baseline="ddp", stable=True),
     "hook-ddp": Side("ddp", hook=True, baseline="ddp"),
+    # the replicas' state comparison as a knob: off, and at every step
+    "hook-ddp-k0": Side("ddp", hook=True, baseline="ddp", verify_every=0),
+    "hook-ddp-k1": Side("ddp", hook=True, baseline="ddp", verify_every=1),
     "hook": Side("hook", hook=True, baseline="ddp"),
     "hsdp": Side("hsdp", hook=False),
     "hook-hsdp": Side("hsdp", hook=True, baseline="hsdp"),
@@ -55,6 +59,7 @@ def hook_job(
     spec = replace(
         job_spec(out.name, out.parent, nproc=world, spares=0, steps=steps),
         parallel=side.parallel,  # hsdp: the job gets --shards
+        agent_args=() if side.verify_every is None else ("--verify-every", str(side.verify_every)),
         script=RANK_SCRIPT,
         script_args=(
             *("--model", model, "--parallel", side.parallel),

@@ -23,6 +23,7 @@ from flashrecovery.agent import rendezvous
 from flashrecovery.agent.config import MIN_SECRET, Endpoint, check_shared_log
 from flashrecovery.agent.job import LEASE_TTL_S
 from flashrecovery.agent.store import JobStore
+from flashrecovery.connectors.signing import Keyring
 from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.errors import ConfigError, LogError
 from flashrecovery.observe.exporter import MetricsServer, add_metrics_port
@@ -69,11 +70,15 @@ def run(args: argparse.Namespace) -> int:
         if args.job_id is not None and args.job_id != job_id:
             print(f"flashrecovery control-plane: error: job {job_id!r} is not {args.job_id!r}")
             return 2
-        engine = EngineLoop(args.log, job_id, lease_ttl_s=LEASE_TTL_S)
+        engine = EngineLoop(args.log, job_id, lease_ttl_s=LEASE_TTL_S, keys=Keyring(secret))
         metrics = None
         if args.metrics_port is not None:
             metrics = MetricsServer(
-                args.log, job_id, args.metrics_port, reader_position=lambda: engine.next_position
+                args.log,
+                job_id,
+                args.metrics_port,
+                reader_position=lambda: engine.next_position,
+                keys=engine.keys,
             ).start()
             print(f"metrics on {metrics.url}", file=sys.stderr, flush=True)
         try:

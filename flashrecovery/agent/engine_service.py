@@ -1,6 +1,7 @@
 """Run the engine for a job as a service, apart from the agent.
 
-`flashrecovery engine --log URL --job ID`: rebuilds the job's state from the log, writes the
+`flashrecovery engine --log URL --job ID`, with the job's secret in FLASHRECOVERY_STORE_PREFIX
+as its agents have it: rebuilds the job's state from the log, writes the
 decisions still due, then follows the events until the job ends. Several engines may serve one
 job: they share it through a lease recorded in the log (engine/lease.py), so only one decides at
 a time and a standby takes over within the lease TTL when the active one dies.
@@ -9,10 +10,12 @@ a time and a standby takes over within the lease TTL when the active one dies.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 
 from flashrecovery.connectors import open_log
+from flashrecovery.connectors.signing import SECRET, Keyring
 from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.errors import LogError
 from flashrecovery.observe.exporter import MetricsServer, add_metrics_port
@@ -31,16 +34,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    secret = os.environ.get(SECRET, "")
+    if not secret:
+        print(
+            f"error: {SECRET} is not set: give the engine the job's secret, as its agents have "
+            "it (the engine signs its decisions with it and believes only signed records: "
+            "docs/protocol.md)",
+            file=sys.stderr,
+        )
+        return 2
+    if args.lease_ttl <= 0:
+        print("error: --lease-ttl must be positive", file=sys.stderr)
+        return 2
     try:
         log = open_log(args.log)
     except LogError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.lease_ttl <= 0:
-        print("error: --lease-ttl must be positive", file=sys.stderr)
-        return 2
     loop = EngineLoop(
-        log, args.job, poll_s=args.poll, lease_ttl_s=args.lease_ttl, engine_id=args.engine_id
+        log,
+        args.job,
+        poll_s=args.poll,
+        lease_ttl_s=args.lease_ttl,
+        engine_id=args.engine_id,
+        keys=Keyring(secret),
     )
     # Before the first line out: whoever reads that line may stop the engine at once.
     signal.signal(signal.SIGTERM, lambda *_: loop.stop(timeout=0))
@@ -49,7 +66,11 @@ def run(args: argparse.Namespace) -> int:
     if args.metrics_port is not None:
         try:
             metrics = MetricsServer(
-                args.log, args.job, args.metrics_port, reader_position=lambda: loop.next_position
+                args.log,
+                args.job,
+                args.metrics_port,
+                reader_position=lambda: loop.next_position,
+                keys=loop.keys,
             ).start()
         except OSError as exc:
             print(f"error: metrics port: {exc}", file=sys.stderr)

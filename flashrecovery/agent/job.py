@@ -36,8 +36,10 @@ from flashrecovery.agent.relay import BeatRelay
 from flashrecovery.agent.store import JobStore
 from flashrecovery.agent.supervisor import Child, Supervisor, meeting_env
 from flashrecovery.connectors import open_log
+from flashrecovery.connectors.base import Entry
 from flashrecovery.connectors.chain import seal
 from flashrecovery.connectors.follow import StreamCursor, append_through_outage
+from flashrecovery.connectors.signing import Keyring
 from flashrecovery.engine.loop import EngineLoop
 from flashrecovery.errors import ConfigError, LogError
 from flashrecovery.observe.exporter import MetricsServer
@@ -129,6 +131,7 @@ class Agent:
         self._advised: set[str] = set()
         self._presence: Presence | None = None  # a multi-node job's watch of the other agents
         self._probe: LinkProbe | None = None  # ... and its probes of their links
+        self._keys: Keyring | None = None  # the job's writer keys, once its secret is known
 
     def run(self) -> int:
         config = self.config
@@ -151,6 +154,7 @@ class Agent:
             print(f"flashrecovery run: error: {exc}", file=sys.stderr)
             return 2
         self.job_id, self.node = member.job_id, member.node
+        keys = self._sign(member.own)
         engine = None
         if config.multinode and not config.external_engine:
             # every node's engine stands by; the lease in the log says which one decides (the
@@ -162,9 +166,10 @@ class Agent:
                 lease_ttl_s=LEASE_TTL_S,
                 node=member.node,
                 claim_after_s=LEASE_TTL_S if config.control_plane else 0.0,
+                keys=keys,
             ).start()
         elif config.hosts_store and not config.external_engine:
-            engine = EngineLoop(self.log_url, self.job_id, poll_s=ENGINE_POLL_S).start()
+            engine = EngineLoop(self.log_url, self.job_id, poll_s=ENGINE_POLL_S, keys=keys).start()
         self._engine = engine
         if config.multinode:
             self._presence = Presence(member.node, os.getpid(), member.own.host, self._agent_exited)
@@ -250,8 +255,9 @@ class Agent:
             print(f"flashrecovery: job {self.job_id} failed: {outcome.detail}", file=sys.stderr)
         return outcome.exit_code
 
-    def _start_job(self, meeting: str) -> None:
+    def _start_job(self, own: JobStore) -> None:
         config = self.config
+        self._sign(own)
         self._report(
             JobStarted(
                 job_id=self.job_id,
@@ -272,7 +278,7 @@ class Agent:
                 nodes=config.nnodes,
                 node_wait_s=config.node_wait_s,
                 shards=config.shards,
-                store=meeting if config.multinode else None,
+                store=own.endpoint if config.multinode else None,
             )
         )
 
@@ -405,7 +411,7 @@ class Agent:
         try:
             while True:
                 for entry in decisions.poll(FOLLOW_TIMEOUT_S):
-                    if isinstance(entry.record, Decision):
+                    if isinstance(entry.record, Decision) and self._believed(entry):
                         reason = self._decided(entry.record, meeting, supervisor, actions)
                         if reason is not None:
                             return Outcome(JobOutcome.FAILED, 1, reason)
@@ -434,6 +440,24 @@ class Agent:
         finally:
             if end is not None:
                 end.close()
+
+    def _sign(self, own: JobStore) -> Keyring:
+        """The job's keys, from its secret: what this agent writes is signed from now on."""
+        if self._keys is None:
+            self._keys = Keyring(own.prefix)
+            self._log.sign_with(self._keys)
+            if self.metrics is not None:
+                self.metrics.believe(self._keys)
+        return self._keys
+
+    def _believed(self, entry: Entry) -> bool:
+        """A decision signed by an engine of the job; one that is not is logged and never
+        carried out (docs/protocol.md "Who may write")."""
+        assert self._keys is not None and entry.record is not None
+        forgery = self._keys.forgery(entry.raw, entry.record)
+        if forgery is not None:
+            log.warning("decision not believed", position=entry.position, reason=forgery)
+        return forgery is None
 
     def _decided(
         self, decision: Decision, meeting: Meeting, supervisor: Supervisor, actions: Actions
@@ -520,7 +544,7 @@ class Agent:
             RankExited(
                 job_id=self.job_id,
                 generation=child.generation,
-                source="agent",
+                source=f"agent:{self.node or 0}",  # the one writer the engine believes of it
                 rank=child.rank,
                 spare_id=child.spare_id,
                 pid=child.pid,

@@ -113,9 +113,9 @@ class LoopbackNodes:
         python_path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
         env = {
             **os.environ,
-            **self.environment,
-            "PYTHONPATH": python_path,
             "FLASHRECOVERY_STORE_PREFIX": self._secret,
+            **self.environment,  # the job's own secret, if it has one
+            "PYTHONPATH": python_path,
         }
         argv = [sys.executable, "-m", "flashrecovery.cli", *command]
         if self.network is not None and host is not None:

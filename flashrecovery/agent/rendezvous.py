@@ -56,10 +56,10 @@ class Membership:
         return self.node * SPARE_IDS + self._spares_made - 1
 
 
-def join(config: AgentConfig, start_job: Callable[[str], None]) -> Membership:
+def join(config: AgentConfig, start_job: Callable[[JobStore], None]) -> Membership:
     """Open or reach the job's store and take this agent's node; ``start_job`` (node 0's
-    agent) appends JobStarted, naming where generation 0 meets, before any other node can see
-    the job."""
+    agent) is given its own store (where generation 0 meets, and the job's secret) and appends
+    JobStarted before any other node can see the job."""
     endpoint = config.rdzv_endpoint
     if endpoint is None:  # one node: the secret given (FLASHRECOVERY_STORE_PREFIX), or a new one
         store = own = JobStore.open(STORE_TIMEOUT, prefix=config.store_secret)
@@ -74,7 +74,7 @@ def join(config: AgentConfig, start_job: Callable[[str], None]) -> Membership:
         own = JobStore.open(STORE_TIMEOUT, here, 0, config.store_secret)
     if config.starts_job:
         assert config.job_id is not None
-        start_job(own.endpoint)
+        start_job(own)
         store.keys.set(MEETING_KEY, own.endpoint)
         store.keys.set(JOB_KEY, config.job_id)
         job_id, meeting = config.job_id, own.endpoint

@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import secrets
 import subprocess
 import sys
 import time
@@ -34,6 +36,7 @@ from flashrecovery.agent.testbed import Testbed
 from flashrecovery.chaos import schedule
 from flashrecovery.chaos.network import LASTS_S, SETTLE_STEPS, NetworkFaults
 from flashrecovery.chaos.schedule import (
+    FORGED,
     IDLE_SPARE_SIGNAL,
     MID_INCIDENT,
     NETWORK,
@@ -54,6 +57,7 @@ from flashrecovery.trainer_hooks import final_state
 FIRST_STEP = 4  # the first fault's step: the spares have had time to warm up
 LEFT_GRACE_S = 10.0  # an orphan ends itself within a second of its agent; give it this long
 ENGINE_LEASE_TTL_S = 1.0
+FORGER_WAIT_S = 40.0  # a forger waits up to 30 s for the rejections (chaos/forge.py)
 MIN_STEP_S = 0.1  # a demo step's wall time at least, so the faults meet steps in flight
 # A step on netns nodes with the log on a 3-broker cluster takes about this long: paced to it,
 # a run's steps (its faults' seconds over the pace) are no more than the faults need; a
@@ -229,8 +233,8 @@ class Engines:
     """The `flashrecovery engine` services of a job: two share it once it has started (the
     agent refuses a job id that has records already); one killed is replaced."""
 
-    def __init__(self, log_url: str, job_id: str, run_dir: Path) -> None:
-        self._log_url, self._job_id, self._run_dir = log_url, job_id, run_dir
+    def __init__(self, job: JobSpec) -> None:
+        self._job = job
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
 
     def start_with(self, watch: JobWatch) -> None:
@@ -240,10 +244,11 @@ class Engines:
 
     def start_one(self) -> None:
         name = f"engine-{len(self.processes)}"
-        with (self._run_dir / f"{name}.out").open("wb") as out:
-            options = ["--log", self._log_url, "--job", self._job_id, "--engine-id", name]
+        with (self._job.run_dir / f"{name}.out").open("wb") as out:
+            options = ["--log", self._job.log_url, "--job", self._job.job_id, "--engine-id", name]
             self.processes[name] = subprocess.Popen(
                 [*ENGINE, *options, "--lease-ttl", str(ENGINE_LEASE_TTL_S)],
+                env={**os.environ, **self._job.environment()},  # the job's secret
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -270,20 +275,51 @@ class Engines:
                 process.wait()
 
 
+FORGER = [sys.executable, "-m", "flashrecovery.chaos.forge"]
+
+
 @dataclass
 class OutsideFaults:
     """Carries out what the killer does not: the engine kills and broker restarts, each once
-    the rank kill before it has opened an incident that is not closed yet, and the signals to
-    an idle spare, each once the job runs at its step with a spare ready."""
+    the rank kill before it has opened an incident that is not closed yet, the signals to
+    an idle spare, each once the job runs at its step with a spare ready, and the forgers, each
+    once the job runs at its step."""
 
     plan: Plan
     engines: Engines | None
     broker: KafkaBroker | None
+    forgers: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def __call__(self, job: LaunchedJob, watch: JobWatch) -> str | None:
         if self.engines is not None:
             self.engines.start_with(watch)
-        return self._idle_spare(job, watch) or self._mid_incident(watch)
+        return self._idle_spare(job, watch) or self._mid_incident(watch) or self._forge(job, watch)
+
+    def _forge(self, job: LaunchedJob, watch: JobWatch) -> str | None:
+        """A process of its own with the log's URL and no key (chaos/forge.py)."""
+        for fault in self.plan.faults:
+            sent = self.plan.sent.setdefault(fault.index, Sent())
+            if fault.kind not in FORGED or sent.forged is not None:
+                continue
+            pid = watch.pid_of(fault.rank)
+            if watch.committed() < fault.step - 1 or not watch.running or pid is None:
+                return None
+            sent.forged = job.spec.run_dir / f"forged-{fault.index}.json"
+            aim = ["--rank", str(fault.rank), "--pid", str(pid), "--step", str(fault.step)]
+            aim += ["--generation", str(watch.state.generation), "--out", str(sent.forged)]
+            where = ["--log", job.spec.log_url, "--job", job.spec.job_id]
+            self.forgers.append(subprocess.Popen([*FORGER, *where, *aim], stdin=subprocess.DEVNULL))
+            return f"[red]forged[/] a record of every type about rank {fault.rank} (pid {pid})"
+        return None
+
+    def wait_forgers(self) -> None:
+        """Each forger ends once the engine has rejected what it wrote (or after its bound)."""
+        for forger in self.forgers:
+            try:
+                forger.wait(FORGER_WAIT_S)
+            except subprocess.TimeoutExpired:
+                forger.kill()
+                forger.wait()
 
     def _idle_spare(self, job: LaunchedJob, watch: JobWatch) -> str | None:
         for fault in self.plan.faults:
@@ -365,6 +401,7 @@ def _specs(
         "seed": args.seed,
         "script": script,
         "script_args": tuple(args.script_args),
+        "secret": secrets.token_hex(16),  # one launcher: the verdict reads both through it
     }
     options = ["--heartbeat-interval", str(args.heartbeat_interval)]
     options += ["--stall-timeout", str(args.stall_timeout)]
@@ -478,7 +515,7 @@ def _run_both(
         console.print(f"  fault {fault.index}: {fault.kind}, {fault.describe()}")
     network = testbed.network if testbed is not None else None
     execute(reference, [], console, "reference (fault-free)", args.timeout, network=network)
-    engines = Engines(job.log_url, job.job_id, job.run_dir) if args.external_engine else None
+    engines = Engines(job) if args.external_engine else None
     left: list[int] = []
     started = time.time()
 
@@ -511,11 +548,12 @@ def _run_both(
             network=network,
         )
     finally:
+        outside.wait_forgers()
         if engines is not None:
             engines.stop()
     with open_log(job.log_url) as log:
         return judge(
-            log,
+            job.believed(log),
             job.job_id,
             job.nproc,
             job.steps,

@@ -28,6 +28,10 @@ KINDS: dict[str, str] = {
         "one bit of a rank's parameters flipped in its memory (found when the replicas compare "
         "their state digests; the odd one is replaced and restored from the others)"
     ),
+    "forge": (
+        "a process with log access and no key writes a record of every type about a live "
+        "rank (each rejected by the engine or ignored by the agents; nothing acted on)"
+    ),
     "donor": "a rank dies, then its donor dies mid-transfer (another replica donates)",
     "replacement": "a rank dies, then its replacement dies before its first commit",
     "regroup": "a rank dies, then a second one dies as the members regroup",
@@ -70,6 +74,7 @@ IDLE_SPARE_SIGNAL = {"spare_kill": signal.SIGKILL, "spare_stop": signal.SIGSTOP}
 NO_INCIDENT = ("nan",)  # a fault of the values, not of a process: found, and no rank replaced
 STRAGGLING = ("slow",)  # a rank slow, not failed: named; replaced only by the straggler policy
 VERIFIED = ("bitflip",)  # found by the replicas' state digests (a majority needs 3 replicas)
+FORGED = ("forge",)  # records written by a process with no key: rejected, no incident
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,7 @@ class PlannedFault:
             *STRAGGLING,
             *BROKER,
             *NO_INCIDENT,
+            *FORGED,
         ):
             return []  # a spare holds no rank, the others must cost no incident (but a policy)
         if self.kind in NODE_LOST:
@@ -149,7 +155,7 @@ def available_kinds(
     """The kinds this job can take: two failures in one recovery need three ranks (one
     replica must survive to donate); the spare, engine and broker kinds need those to exist;
     the node kinds several nodes, the network's nodes with networks of their own."""
-    kinds = ["sigkill", "sigstop", "raise", "stall", "nan", "slow"]
+    kinds = ["sigkill", "sigstop", "raise", "stall", "nan", "slow", *FORGED]
     if nodes > 1:
         kinds += ["node_kill", "node0_kill"]
     if nodes > 1 and netns:

@@ -5,10 +5,13 @@ with no divergence, the survivors' processes kept, and no process left behind.""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 from flashrecovery.chaos.schedule import (
+    FORGED,
     IDLE_SPARE_SIGNAL,
     NETWORK,
     NO_INCIDENT,
@@ -31,6 +34,7 @@ from flashrecovery.records import (
     EngineLease,
     JobFinished,
     RankExited,
+    RecordRejected,
     RetireSpare,
     SpareActivated,
     SpareReady,
@@ -57,6 +61,7 @@ class Sent:
     host: str | None = None  # the testbed host a network fault acts on
     healed_step: int | None = None  # the job's committed step when it was seen healed
     settled: bool = False  # healed, and the job committed steps past it: the next may come
+    forged: Path | None = None  # where the forger left what it wrote (chaos/forge.py)
     notes: list[str] = field(default_factory=list)
 
 
@@ -249,6 +254,34 @@ def digest_steps(log: LogConnector, job_id: str, fault: PlannedFault) -> int | N
     return reports[0].step - fault.step if reports else None
 
 
+def forge_outcome(
+    log: LogConnector, job_id: str, sent: Sent
+) -> tuple[bool, list[str], float | None]:
+    """Records forged by a process with no key (``log``: the job's believed view): each forged
+    event answered by a RecordRejected the engine signed, each forged decision not believed,
+    and how long the rejections took to reach the log."""
+    if sent.forged is None or not sent.forged.exists():
+        return False, ["the forger left no account of what it wrote"], None
+    wrote = json.loads(sent.forged.read_text())
+    events, decisions = set(wrote["events"].values()), set(wrote["decisions"].values())
+    rejected = {
+        r.caused_by
+        for e in log.read(Stream.DECISIONS, job_id)
+        if isinstance(r := e.record, RecordRejected)
+    }
+    believed = [
+        e.position
+        for e in log.read(Stream.DECISIONS, job_id)
+        if e.position in decisions and e.record is not None
+    ]
+    notes = [
+        f"{len(events & rejected)}/{len(events)} forged events rejected, "
+        f"{len(decisions) - len(believed)}/{len(decisions)} forged decisions not believed"
+    ]
+    ok = events <= rejected and not believed
+    return ok, notes, wrote["rejected_after_s"]
+
+
 def _caused_by(fault: PlannedFault, rank: int, row: dict[str, Any]) -> bool:
     """A lost node's incident by the node's number (ranks may have moved onto it since the plan
     was drawn); any other by its rank."""
@@ -335,6 +368,10 @@ def judge(
             found_it, said, detection_steps = nonfinite_outcome(log, job_id, fault)
             recovered = found_it and not mine
             notes += said
+        if fault.kind in FORGED:
+            rejected, said, detection = forge_outcome(log, job_id, action)
+            recovered = rejected and not mine
+            notes += said
         if fault.kind in STRAGGLING:
             named, said, detection_steps = rank_straggler_outcome(log, job_id, fault)
             recovered = named and len(mine) <= 1
@@ -357,6 +394,7 @@ def judge(
             or (fault.kind in ("engine_kill", "broker_restart") and action.mid_incident_ts is None)
             or (kill is not None and kill.outcome is KillOutcome.MISSED)
             or (fault.kind in NETWORK and action.network_ts is None)
+            or (fault.kind in FORGED and action.forged is None)
         )
         rows.append(
             {

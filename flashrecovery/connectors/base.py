@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from flashrecovery.connectors.chain import ChainWriter
+from flashrecovery.connectors.signing import Keyring
 from flashrecovery.errors import RecordError
 from flashrecovery.records import Envelope, Stream, parse_record
 
@@ -101,6 +102,11 @@ class LogConnector(ABC):
         stored, and a read after this returns every one it did store. A handle fenced off in
         turn fails its next decision with a LogError. The engine calls it before it reads what
         was decided and starts deciding. Here: a log in one process has no writer to fence."""
+
+    def sign_with(self, keys: Keyring) -> None:
+        """Sign every record this handle appends from now on with its source's key
+        (connectors/signing.py): what a job's writers do once they know its secret."""
+        self._chains.keys = keys
 
     def chain_head(self, job_id: str, stream: Stream, source: str) -> str | None:
         """SHA-256 of the last record this handle appended for ``source`` in the job's stream."""

@@ -6,7 +6,8 @@ per stream would need every writer to agree on its head: a lock across processes
 the log does not offer. The chain is therefore per *writer*: one log handle's records of one
 ``source`` within one (job, stream). A writer keeps its head in memory and stamps each record
 with a ``ChainLink``: its writer id, its sequence number and the SHA-256 of the writer's
-previous record as stored. The writer's appends are serialized by a lock held across the
+previous record as stored (and, once the handle holds the job's keys, its signature:
+signing.py). The writer's appends are serialized by a lock held across the
 append, so its records lie in the log in chain order.
 
 Changing a stored record changes its hash, which its writer's next record no longer names;
@@ -26,6 +27,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from flashrecovery.connectors.signing import PLACEHOLDER, Keyring
 from flashrecovery.records import (
     ChainHead,
     ChainLink,
@@ -62,6 +64,7 @@ class ChainWriter:
 
     def __init__(self) -> None:
         self._guard = threading.Lock()
+        self.keys: Keyring | None = None  # signs every record linked from then on
         self._reset()
 
     def _reset(self) -> None:
@@ -148,8 +151,11 @@ class ChainWriter:
                     writer=f"{record.source}/{self._token}{restart}",
                     seq=head.seq + 1 if head else 0,
                     prev=head.hash if head else "",
+                    mac=PLACEHOLDER if self.keys else "",
                 )
                 raw = dump_record(record.model_copy(update={"chain": link}))
+                if self.keys is not None:
+                    raw = self.keys.sign(record.job_id, record.source, raw)
                 raws.append(raw)
                 heads[key] = _Head(link.seq, digest(raw))
             try:

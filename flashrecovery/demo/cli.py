@@ -191,7 +191,7 @@ def execute(
     once the agent has ended, before whatever it left behind is ended. ``network``: each node
     in a host of it (--netns)."""
     with open_log(spec.log_url) as log, LaunchedJob(spec, network) as job:
-        watch = JobWatch(log, spec.job_id)
+        watch = JobWatch(spec.believed(log), spec.job_id)
         killer = Killer(job, kills)
         with Live(
             render(spec, watch, killer, title), console=console, refresh_per_second=8
@@ -280,6 +280,7 @@ def _run(
             parallel=args.parallel,
             nodes=args.nodes,
             checkpoint_every=checkpoint_every,
+            secret=spec.secret,  # one launcher: its summary reads both through it
         )
         if args.verify
         else None
@@ -303,7 +304,7 @@ def _run(
         if reference is not None:
             execute(reference, [], console, "reference (fault-free)", args.timeout, network=network)
         with open_log(log_url) as log:
-            summary = summarize(log, spec, kills, returncode, reference)
+            summary = summarize(spec.believed(log), spec, kills, returncode, reference)
     except LogError as exc:
         print(f"flashrecovery demo: error: {exc}", file=sys.stderr)
         return 2

@@ -10,17 +10,21 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
 import psutil
 
+from flashrecovery.connectors.base import LogConnector
+from flashrecovery.connectors.believed import BelievedLog
+from flashrecovery.connectors.signing import SECRET, Keyring
 from flashrecovery.trainer_hooks import probe  # no torch: only the session imports it
 
 if TYPE_CHECKING:  # the agent package imports torch: only a job of several nodes needs it
@@ -54,6 +58,9 @@ class JobSpec:
     spare_nodes: int = 0
     checkpoint_every: int = 0  # > 0: checkpoints in <run_dir>/checkpoints every this many steps
     fault_plan: str = ""  # tests and chaos only: the job's planned faults (trainer_hooks/probe.py)
+    # The job's secret, which its agents (and any engine service) are given: whoever launched
+    # the job can check its records' signatures (connectors/signing.py).
+    secret: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
 
     def command(self) -> list[str]:
         return [
@@ -105,9 +112,14 @@ class JobSpec:
             self.parallel,
         ]
 
+    def believed(self, log: LogConnector) -> BelievedLog:
+        """The job's log as its engine believes it: what its secret did not sign is no record."""
+        return BelievedLog(log, Keyring(self.secret))
+
     def environment(self) -> dict[str, str]:
         """What every agent of the job has in its environment beyond this process's."""
-        return {probe.ENV: self.fault_plan} if self.fault_plan else {}
+        faults = {probe.ENV: self.fault_plan} if self.fault_plan else {}
+        return {SECRET: self.secret, **faults}
 
     @property
     def agent_output(self) -> Path:

@@ -500,6 +500,8 @@ def _restore_rejected(ctx: Context, record: RestoreRejected) -> None:
 
 
 def _rank_exited(ctx: Context, record: RankExited) -> None:
+    if record.source not in ("agent", f"agent:{record.node}"):  # "agent": older logs
+        raise Rejected(f"an exit on node {record.node} told by {record.source!r}, not its agent")
     state = ctx.state
     if state.node_lost(record.node):
         # Its ranks and spares were given up with it; its agent, cut off and back, ends them

@@ -20,6 +20,7 @@ import structlog
 from flashrecovery.connectors import open_log
 from flashrecovery.connectors.base import Entry, LogConnector
 from flashrecovery.connectors.follow import RETRY, StreamCursor
+from flashrecovery.connectors.signing import Keyring
 from flashrecovery.engine import detectors
 from flashrecovery.engine.detectors import Finding
 from flashrecovery.engine.ingest import ingest
@@ -61,8 +62,14 @@ class EngineLoop:
         engine_id: str | None = None,
         node: int | None = None,
         claim_after_s: float = 0.0,
+        keys: Keyring | None = None,
     ) -> None:
         self.log = open_log(log_or_url) if isinstance(log_or_url, str) else log_or_url
+        # With the job's keys it signs what it writes and believes only records signed by the
+        # source they claim (connectors/signing.py); without them it believes every record.
+        self.keys = keys
+        if keys is not None:
+            self.log.sign_with(keys)
         self._owns_log = isinstance(log_or_url, str)
         self.job_id = job_id
         self.poll_s = poll_s
@@ -108,11 +115,13 @@ class EngineLoop:
     def apply(self, entries: list[Entry]) -> int:
         """Decide on each entry; the leader appends the decisions not yet written."""
         for entry in entries:
-            self.leases.fold(entry.record)
-            if isinstance(entry.record, NodeHeartbeat):
-                self._freshest_beat = max(self._freshest_beat or 0.0, entry.record.ts)
+            forgery = self.forgery(entry)
+            if forgery is None:
+                self.leases.fold(entry.record)
+                if isinstance(entry.record, NodeHeartbeat):
+                    self._freshest_beat = max(self._freshest_beat or 0.0, entry.record.ts)
             rejected, faults = self.state.rejected.total(), len(self.state.engine_faults)
-            self._due.extend(ingest(self.state, entry))
+            self._due.extend(ingest(self.state, entry, forgery))
             if self.state.rejected.total() > rejected:  # counted, explained, and said aloud
                 log.warning(
                     "record rejected", position=entry.position, reason=self.state.last_rejection
@@ -123,6 +132,12 @@ class EngineLoop:
         self._flush()
         return len(entries)
 
+    def forgery(self, entry: Entry) -> str | None:
+        """Why the entry's record is not its claimed source's (None: it is, or no keys)."""
+        if self.keys is None or entry.record is None:
+            return None
+        return self.keys.forgery(entry.raw, entry.record)
+
     def _flush(self) -> None:
         if not self.is_leader():
             self._leading = False
@@ -131,10 +146,11 @@ class EngineLoop:
             # Fenced first: a predecessor's decision still in flight (its node cut off) is then
             # never stored, so what is read now is all it decided and nothing is decided twice.
             self.log.fence(self.job_id)
+            # (a forged decision bearing a due one's id must not keep the real one out)
             self._written = {
                 e.record.record_id
                 for e in self.log.read(Stream.DECISIONS, self.job_id)
-                if e.record is not None
+                if e.record is not None and self.forgery(e) is None
             }
             self._leading = True
         batch = [d for d in self._due if d.record_id not in self._written]

@@ -9,6 +9,7 @@ report how far their engine is behind the log.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -23,6 +24,8 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from flashrecovery.connectors import open_log
 from flashrecovery.connectors.base import LogConnector
+from flashrecovery.connectors.believed import BelievedLog
+from flashrecovery.connectors.signing import SECRET, Keyring
 from flashrecovery.errors import LogError
 from flashrecovery.observe.metrics import PER_RANK_LIMIT, JobFold, families
 from flashrecovery.options import add_job_option
@@ -49,11 +52,15 @@ class MetricsServer(Collector):
         reader_position: Callable[[], int] | None = None,
         per_rank_limit: int = PER_RANK_LIMIT,
         clock: Callable[[], float] = time.time,
+        keys: Keyring | None = None,
     ) -> None:
-        self.log = (
+        self._log = (
             open_log(log_or_url, read_only=True) if isinstance(log_or_url, str) else log_or_url
         )
+        self.log: LogConnector = self._log
         self._owns_log = isinstance(log_or_url, str)
+        if keys is not None:
+            self.believe(keys)
         self.fold = JobFold(job_id)
         self.host, self.port = host, port
         self._reader_position = reader_position
@@ -64,6 +71,12 @@ class MetricsServer(Collector):
         self._next = 0
         self._thread: threading.Thread | None = None
         self._server: WSGIServer | None = None
+
+    def believe(self, keys: Keyring) -> None:
+        """Fold only what the job's keys signed from now on (a forged record would otherwise
+        show an incident the engine never opened): the agent learns its job's keys only once
+        it has joined the job, after its metrics already serve."""
+        self.log = BelievedLog(self._log, keys)
 
     def collect(self) -> Iterator[Metric]:
         with self._folded:
@@ -125,7 +138,7 @@ class MetricsServer(Collector):
         if self._thread is not None:
             self._thread.join(timeout)
         if self._owns_log:
-            self.log.close()
+            self._log.close()
 
 
 def add_metrics_port(parser: argparse.ArgumentParser) -> None:
@@ -169,8 +182,14 @@ def run(args: argparse.Namespace) -> int:
     except LogError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    secret = os.environ.get(SECRET)  # the job's: fold only what its writers signed
     server = MetricsServer(
-        log, args.job, args.port, host=args.host, per_rank_limit=args.per_rank_limit
+        log,
+        args.job,
+        args.port,
+        host=args.host,
+        per_rank_limit=args.per_rank_limit,
+        keys=Keyring(secret) if secret else None,
     )
     try:
         server.start()

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 from flashrecovery.connectors import open_log
 from flashrecovery.connectors.chain import read_streams
+from flashrecovery.connectors.signing import SECRET, Keyring
 from flashrecovery.errors import ConfigError, LogError
 from flashrecovery.options import add_job_option
 from flashrecovery.records import Stream
@@ -46,8 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--verify-chain",
         action="store_true",
-        help="also check every writer's hash chain and the final record's seal; report the "
-        "first break (position, writer)",
+        help="also check every writer's hash chain, the final record's seal and who wrote each "
+        "record (every signature, with the job's secret in FLASHRECOVERY_STORE_PREFIX); "
+        "report the first break (position, writer)",
     )
 
 
@@ -74,8 +77,10 @@ def run(args: argparse.Namespace) -> int:
         with open_log(args.log, read_only=True) as log:
             if args.job not in log.jobs():
                 raise LogError(f"job {args.job!r} has no records in {args.log}")
-            report = replay_job(log, args.job, args.until)
-            chain = verify_chains(read_streams(log, args.job)) if args.verify_chain else None
+            secret = os.environ.get(SECRET)
+            keys = Keyring(secret) if secret else None  # the job's: signatures are checked
+            report = replay_job(log, args.job, args.until, keys)
+            chain = verify_chains(read_streams(log, args.job), keys) if args.verify_chain else None
             what_if = (
                 compare(args.job, log.read(Stream.EVENTS, args.job), settings)
                 if args.what_if

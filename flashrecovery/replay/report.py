@@ -9,6 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from flashrecovery import terminal
+from flashrecovery.connectors.signing import SECRET
 from flashrecovery.replay.replayer import ReplayReport
 from flashrecovery.replay.verify import ChainReport
 from flashrecovery.replay.whatif import Comparison
@@ -38,6 +39,8 @@ def print_replay(report: ReplayReport, console: Console | None = None) -> None:
         console.print(f"two generations committed a step: {problem}", markup=False)
     for problem in report.believed_from_lost_nodes:
         console.print(f"believed from a node given up: {problem}", markup=False)
+    for problem in report.forged_decisions:
+        console.print(f"a decision no engine signed, not believed: {problem}", markup=False)
     if report.state.verdict is not None:
         console.print(f"the engine failed the job: {report.state.verdict}", markup=False)
     if report.pending:
@@ -97,6 +100,12 @@ def print_chain(report: ChainReport, console: Console | None = None) -> None:
         console.print(f"{report.unchained} record(s) carry no chain link (older or foreign)")
     if report.after_seal:
         console.print(f"{report.after_seal} event(s) after the seal are not covered by it")
+    checked = (
+        "each checked with the job's secret"
+        if report.signatures_checked
+        else f"not checked: give the job's secret in {SECRET} to check them"
+    )
+    console.print(f"{report.signed} record(s) signed, {checked}", highlight=False)
     if report.first is not None:
         console.print(
             f"first break: {report.first.describe()} ({len(report.breaks)} in all)",

@@ -1,6 +1,8 @@
 """Check a job's hash chains and its seal (connectors/chain.py writes them): a changed record no
 longer matches what its writer's next record names, a lost one leaves a gap in its writer's
-sequence numbers, and the seal names every writer's last record.
+sequence numbers, and the seal names every writer's last record. And who wrote each record
+(connectors/signing.py): in a log whose writers sign, an unsigned record is a break; with the
+job's keys, so is a record not signed by the source it claims.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from typing import Any
 
 from flashrecovery.connectors.base import Entry
 from flashrecovery.connectors.chain import Tip, digest
+from flashrecovery.connectors.signing import Keyring
 from flashrecovery.records import JobFinished, Stream
 
 
@@ -33,6 +36,8 @@ class ChainReport:
     breaks: list[Break] = field(default_factory=list)
     records: int = 0
     unchained: int = 0  # records without a link (older logs, foreign writers)
+    signed: int = 0  # records that carry a signature (checked only with the job's keys)
+    signatures_checked: bool = False  # the job's keys were at hand
     writers: int = 0
     sealed: bool = False  # a JobFinished record named the chain heads
     seal_position: int | None = None
@@ -54,6 +59,8 @@ class ChainReport:
             "records": self.records,
             "writers": self.writers,
             "unchained": self.unchained,
+            "signed": self.signed,
+            "signatures_checked": self.signatures_checked,
             "sealed": self.sealed,
             "seal_position": self.seal_position,
             "seal_hash": self.seal_hash,
@@ -160,10 +167,34 @@ def _check_seal(streams: Mapping[Stream, list[Entry]], report: ChainReport) -> N
             )
 
 
-def verify(streams: Mapping[Stream, list[Entry]]) -> ChainReport:
-    """Check every writer's chain on both streams, then the seal if the job has one."""
+def _check_signatures(
+    streams: Mapping[Stream, list[Entry]], keys: Keyring | None, report: ChainReport
+) -> None:
+    """Without keys only a log whose writers sign at all can show an unsigned record (an
+    older log signs nothing); with them every record must be its claimed source's."""
+    entries = [(stream, e) for stream, es in streams.items() for e in es if e.record is not None]
+    report.signed = sum(1 for _, e in entries if e.record and e.record.chain and e.record.chain.mac)
+    report.signatures_checked = keys is not None
+    for stream, entry in entries:
+        assert entry.record is not None
+        link = entry.record.chain
+        writer = link.writer if link is not None else entry.record.source
+        if keys is not None:
+            forgery = keys.forgery(entry.raw, entry.record)
+        elif report.signed and (link is None or not link.mac):
+            forgery = f"unsigned {entry.record.type} in a log whose writers sign"
+        else:
+            forgery = None
+        if forgery is not None:
+            report.breaks.append(Break(stream, entry.position, writer, f"not believed: {forgery}"))
+
+
+def verify(streams: Mapping[Stream, list[Entry]], keys: Keyring | None = None) -> ChainReport:
+    """Check every writer's chain on both streams, then the seal if the job has one, then who
+    wrote each record (with ``keys``, every signature)."""
     report = ChainReport()
     for stream, entries in streams.items():
         _check_stream(stream, entries, report)
     _check_seal(streams, report)
+    _check_signatures(streams, keys, report)
     return report

@@ -10,6 +10,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TypeVar
 
+from flashrecovery.connectors.signing import SECRET  # the job's secret, where it may be shown
 from flashrecovery.errors import LaunchError
 from flashrecovery.records import NonFinitePolicy
 from flashrecovery.trainer_hooks import final_state
@@ -21,7 +22,6 @@ GROUP_REBUILD = "FLASHRECOVERY_GROUP_REBUILD"
 NONFINITE_POLICY = "FLASHRECOVERY_NONFINITE_POLICY"
 VERIFY_EVERY = "FLASHRECOVERY_VERIFY_EVERY"
 NODE_STORE = "FLASHRECOVERY_NODE_STORE"
-SECRET = "FLASHRECOVERY_STORE_PREFIX"  # the job's secret, where the process may show it
 SECRET_FD = "FLASHRECOVERY_STORE_PREFIX_FD"  # else a pipe that holds it (agent/supervisor.py)
 E = TypeVar("E", bound=StrEnum)
 

@@ -25,6 +25,7 @@ from flashrecovery.agent import Agent, AgentConfig
 from flashrecovery.agent.config import RunAs
 from flashrecovery.connectors import LogConnector, open_log
 from flashrecovery.connectors.follow import StreamCursor
+from flashrecovery.connectors.signing import SECRET
 from flashrecovery.records import Envelope, NonFinitePolicy, StragglerPolicy, Stream
 from flashrecovery.trainer_hooks.digest import DEFAULT_VERIFY_EVERY
 from flashrecovery.trainer_hooks.probe import FaultPlan
@@ -91,6 +92,10 @@ Scenario = Callable[[Envelope, Processes], bool]
 ENGINE = [sys.executable, "-m", "flashrecovery.cli", "engine", "--lease-ttl", "1.0"]
 
 
+# The job's secret when its engines are services of their own (they sign with it too).
+ENGINE_SECRET = "livejob-engines-share-this-secret"
+
+
 @contextlib.contextmanager
 def engine_services(log_url: str, out: Path) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
     """Two `flashrecovery engine` services, "a" and "b", sharing the job; ended on the way out.
@@ -104,7 +109,7 @@ def engine_services(log_url: str, out: Path) -> Iterator[dict[str, subprocess.Po
                 [*ENGINE, "--log", log_url, "--job", "live", "--engine-id", name],
                 stdout=sink,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, "FLASHRECOVERY_LOG_LEVEL": "info"},
+                env={**os.environ, "FLASHRECOVERY_LOG_LEVEL": "info", SECRET: ENGINE_SECRET},
             )
     try:
         yield engines
@@ -186,7 +191,7 @@ def run_job(
             verify_every=verify_every,
             straggler_policy=straggler_policy,
             straggler_steps=straggler_steps,
-            store_secret=store_secret,
+            store_secret=ENGINE_SECRET if external_engine and not store_secret else store_secret,
         )
     )
     result: dict[str, int] = {}
