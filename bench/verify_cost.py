@@ -51,15 +51,12 @@ def measure(million_params: float, repeats: int) -> dict[str, float]:
     model, optimizer = model_of(million_params)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-    tensors: list[torch.Tensor] = []
-    transfer._pack(state, tensors)  # what a restore sends, in its order
-    data = [t.reshape(-1).view(torch.uint8) for t in tensors]
-    pieces = transfer.stripe_pieces([d.numel() for d in data], transfer.Stripe())
+    _, tensors, data = transfer.packed(state)  # what a restore sends, in its order
     return {
         "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
         "digest_ms": best_ms(lambda: digest.state_digest(model, optimizer), repeats),
         "nan_look_ms": best_ms(lambda: nonfinite.found(1.0, grads), repeats),
-        "restore_sums_ms": best_ms(lambda: transfer._sums(data, tensors, pieces), repeats),
+        "restore_sums_ms": best_ms(lambda: transfer.stripe_sums(data, tensors, 1), repeats),
     }
 
 

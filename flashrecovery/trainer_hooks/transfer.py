@@ -238,17 +238,10 @@ def send(
     sums and ``own``) to rank ``dst``; returns the bytes sent. ``after_header`` runs after the
     first message (where a test kills a donor mid-transfer); True: flip a bit of this donor's
     first payload message on the way, in a copy (the ``garble`` fault, probe.py)."""
-    tensors: list[torch.Tensor] = []
-    skeleton = _pack(replicated, tensors)
-    data = [_flat_bytes(t) for t in tensors]
+    skeleton, tensors, data = packed(replicated)
     structure = b""
     if stripe.index == 0:
-        sizes = [d.numel() for d in data]
-        sums = [
-            _sums(data, tensors, stripe_pieces(sizes, Stripe(index, stripe.count)))
-            for index in range(stripe.count)
-        ]
-        structure = pickle.dumps((skeleton, own, sums))
+        structure = pickle.dumps((skeleton, own, stripe_sums(data, tensors, stripe.count)))
     header = torch.tensor([len(structure), sum(d.numel() for d in data)], dtype=torch.int64)
     group.send([header], dst, _HEADER).wait()
     garble = after_header()
@@ -315,6 +308,24 @@ def recv(
             _scatter(buffer, views)
     _check(data, [into[i] for i in range(len(into))], donors, stripes, sums)
     return Received(replicated, own, received)
+
+
+def packed(state: Any) -> tuple[Any, list[torch.Tensor], list[torch.Tensor]]:
+    """The structure, its tensors and their bytes, in the order a restore sends them."""
+    tensors: list[torch.Tensor] = []
+    skeleton = _pack(state, tensors)
+    return skeleton, tensors, [_flat_bytes(t) for t in tensors]
+
+
+def stripe_sums(
+    data: list[torch.Tensor], tensors: list[torch.Tensor], count: int
+) -> list[list[int]]:
+    """The bit sums of every piece of each of ``count`` stripes: what the lead donor sends
+    with the structure for the recipient to check what arrived against."""
+    sizes = [d.numel() for d in data]
+    return [
+        _sums(data, tensors, stripe_pieces(sizes, Stripe(index, count))) for index in range(count)
+    ]
 
 
 def _sums(data: list[torch.Tensor], tensors: list[torch.Tensor], pieces: list[Piece]) -> list[int]:
