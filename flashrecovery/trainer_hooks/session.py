@@ -10,6 +10,7 @@ training_state.py. What to do on a failure is decided by the engine; the session
 from __future__ import annotations
 
 import importlib
+import math
 import sys
 import time
 import traceback
@@ -215,12 +216,17 @@ class Session:
         return world
 
     def device_mesh(self, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
-        """A DeviceMesh over the stable groups (for FSDP2 / HSDP), e.g. ``((2, 2),
-        ("replicate", "shard"))``: valid across generations like ``process_group()``."""
-        if shape[-1] != self._env.shards:
+        """A DeviceMesh over the stable groups (for FSDP2 / HSDP, tensor parallel beside them),
+        e.g. ``((2, 2), ("replicate", "shard"))`` or ``((2, 1, 2), ("dp_replicate",
+        "dp_shard", "tp"))``: valid across generations like ``process_group()``. The first
+        dimension holds the replicas (a mesh of one dimension: none); a rank's place within
+        its replica, r % --shards, is its coordinate on the others (the mesh is row-major)."""
+        within = math.prod(shape[1:]) if len(shape) > 1 else shape[0]
+        if within != self._env.shards:
+            dims = " x ".join(str(size) for size in (shape[1:] if len(shape) > 1 else shape))
             raise ConfigError(
-                f"the mesh's last (shard) dimension is {shape[-1]}, the job was started with "
-                f"--shards {self._env.shards}"
+                f"each replica of the mesh {tuple(shape)} holds {dims} = {within} ranks of "
+                f"distinct state, the job was started with --shards {self._env.shards}"
             )
         self.process_group()
         self._member.mesh = init_device_mesh(
@@ -600,12 +606,13 @@ def _gradients(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def _sharded_elsewhere(model: torch.nn.Module, mesh: DeviceMesh | None) -> bool:
-    """Whether some parameter is a DTensor over another mesh than ``mesh`` (the session's),
-    e.g. the default one fully_shard makes without ``mesh=``. Never while DTensor was not
-    imported: no parameter can be one then."""
+    """Whether some parameter is a DTensor over another mesh than ``mesh`` (the session's) or
+    a part of it (tensor parallel's "tp", FSDP2's data-parallel dimensions), e.g. the default
+    one fully_shard makes without ``mesh=``. Never while DTensor was not imported: no
+    parameter can be one then."""
     tensor = sys.modules.get("torch.distributed.tensor")
     return tensor is not None and any(
-        isinstance(p, tensor.DTensor) and (mesh is None or p.device_mesh != mesh)
+        isinstance(p, tensor.DTensor) and (mesh is None or p.device_mesh._get_root_mesh() != mesh)
         for p in model.parameters()
     )
 

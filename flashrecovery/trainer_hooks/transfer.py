@@ -86,6 +86,9 @@ class _DTensorRef:
     placements: tuple[Placement, ...]
     shape: tuple[int, ...]
     stride: tuple[int, ...]
+    # The names of its mesh's dimensions: a parameter may lie on a part of the session's mesh
+    # (tensor parallel on "tp", the rest of the model on ("dp_replicate", "dp_shard")).
+    dims: tuple[str, ...] | None = None
 
 
 def _children(state: Any) -> Iterator[tuple[Any, Any]]:
@@ -106,7 +109,8 @@ def _pack(state: Any, tensors: list[torch.Tensor]) -> Any:
     """The structure with each tensor replaced by a reference; the tensors go to ``tensors``."""
     if is_dtensor(state):
         local = _pack(state.to_local(), tensors)
-        return _DTensorRef(local, tuple(state.placements), tuple(state.shape), state.stride())
+        dims = state.device_mesh.mesh_dim_names
+        return _DTensorRef(local, tuple(state.placements), tuple(state.shape), state.stride(), dims)
     if isinstance(state, torch.Tensor):
         tensors.append(state.detach())
         return _TensorRef(len(tensors) - 1, state.dtype, tuple(state.shape))
@@ -158,9 +162,10 @@ def _unpack(
         from torch.distributed.tensor import DTensor  # a sharded job's: imported by FSDP2
 
         local = _unpack(skeleton.local, {}, into, mesh, path)
+        dims = skeleton.dims
         return DTensor.from_local(
             local,
-            mesh,
+            mesh if dims is None or dims == mesh.mesh_dim_names else mesh[dims],
             skeleton.placements,
             run_check=False,
             shape=torch.Size(skeleton.shape),

@@ -1,0 +1,63 @@
+"""Live recovery of tensor parallel beside FSDP2 (examples/train_tp.py: ``parallelize_module``
+over the mesh's "tp" dimension, ``fully_shard`` over ("dp_replicate", "dp_shard"); 2 replicas x
+1 x 2 tp on 4 CPU ranks, gloo): a lost rank is restored from the rank at its (dp_shard, tp)
+coordinate in the other replica, the replacement's optimizer state rebuilt on the parts of the
+mesh it lies on; with that donor lost mid-transfer no replica of the coordinate is left and the
+job falls back to the checkpoint. Either way it ends bitwise equal to a fault-free run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from livejob import EXAMPLES, run_job
+from test_live_checkpoint import assert_fell_back
+from test_live_recovery import assert_lossless, assert_survivors_kept
+
+pytestmark = pytest.mark.timeout(300)
+
+TP_HSDP = {"script": EXAMPLES / "train_tp.py", "nproc": 4, "shards": 2}
+ARGS = ["--epochs", "1"]  # 20 steps
+
+
+@pytest.fixture(scope="module")
+def tp_reference(tmp_path_factory: pytest.TempPathFactory) -> torch.Tensor:
+    job = run_job(tmp_path_factory.mktemp("tp-reference"), **TP_HSDP, script_args=ARGS)  # type: ignore[arg-type]
+    assert job.exit_code == 0
+    params: torch.Tensor = job.final(0)["params"]
+    return params
+
+
+def run_tp(tmp_path: Path, **kwargs: Any) -> Any:
+    return run_job(tmp_path, **TP_HSDP, script_args=ARGS, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_tp_rank_is_restored_from_its_coordinate_in_the_other_replica(
+    tmp_path: Path, tp_reference: torch.Tensor
+) -> None:
+    job = run_tp(tmp_path, spares=1, kill_at={1: 8})
+    assert_lossless(job, tp_reference, incidents=1, world=4)
+    assert_survivors_kept(job, failed={1}, world=4)
+    [plan] = job.decisions("resume_planned")
+    assert (plan.donors, plan.recipients) == ({0: 0, 1: 3}, [1])  # rank 3: tp 1 of replica 1
+    [moved] = job.records(type="state_transferred")
+    assert (moved.rank, moved.donor) == (1, 3)
+
+
+def test_a_tp_coordinates_last_replica_lost_mid_transfer_falls_back_to_the_checkpoint(
+    tmp_path: Path, tp_reference: torch.Tensor
+) -> None:
+    """Rank 1 dies at step 10; rank 3, the only other holder of its coordinate, dies as it
+    sends: every member loads the latest checkpoint, of step 7 (the TP DTensors' shards too),
+    and computes steps 8 and 9 again."""
+    job = run_tp(
+        tmp_path,
+        spares=2,
+        checkpoint_every=4,
+        fault_plan=["1:before_reduce@10", "3:donor_send@9"],
+    )
+    assert assert_fell_back(job, tp_reference, world=4) == 2  # steps 8 and 9 again
+    assert_survivors_kept(job, failed={1, 3}, world=4)
+    assert {d.shards[0] for d in job.decisions("fallback_to_checkpoint")} == {1}
