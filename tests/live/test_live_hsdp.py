@@ -30,16 +30,24 @@ def run_hsdp(tmp_path: Path, **kwargs: Any) -> Any:
     return run_job(tmp_path, **HSDP, **kwargs)  # type: ignore[arg-type]
 
 
+def assert_restored_from(
+    job: Any, reference: torch.Tensor, rank: int, donor: int, donors: dict[int, int]
+) -> None:
+    """One incident: ``rank`` lost and restored from ``donor`` alone (the plan's ``donors``
+    per shard), the others kept, the job bitwise equal to ``reference``."""
+    assert_lossless(job, reference, incidents=1, world=4)
+    assert_survivors_kept(job, failed={rank}, world=4)
+    [plan] = job.decisions("resume_planned")
+    assert (plan.donors, plan.recipients) == (donors, [rank])
+    [moved] = job.records(type="state_transferred")
+    assert (moved.rank, moved.donor) == (rank, donor)
+
+
 def test_rank_restored_from_its_shards_replica(
     tmp_path: Path, hsdp_reference: torch.Tensor
 ) -> None:
     job = run_hsdp(tmp_path, spares=1, kill_at={1: 8})
-    assert_lossless(job, hsdp_reference, incidents=1, world=4)
-    assert_survivors_kept(job, failed={1}, world=4)
-    [plan] = job.decisions("resume_planned")
-    assert (plan.donors, plan.recipients) == ({0: 0, 1: 3}, [1])  # rank 3 holds shard 1 too
-    [moved] = job.records(type="state_transferred")
-    assert (moved.rank, moved.donor) == (1, 3)
+    assert_restored_from(job, hsdp_reference, 1, 3, {0: 0, 1: 3})  # rank 3 holds shard 1 too
 
 
 def test_rank_restored_on_a_reconfigured_mesh(tmp_path: Path, hsdp_reference: torch.Tensor) -> None:

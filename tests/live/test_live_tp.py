@@ -14,7 +14,8 @@ import pytest
 import torch
 from livejob import EXAMPLES, run_job
 from test_live_checkpoint import assert_fell_back
-from test_live_recovery import assert_lossless, assert_survivors_kept
+from test_live_hsdp import assert_restored_from
+from test_live_recovery import assert_survivors_kept
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -38,12 +39,7 @@ def test_a_tp_rank_is_restored_from_its_coordinate_in_the_other_replica(
     tmp_path: Path, tp_reference: torch.Tensor
 ) -> None:
     job = run_tp(tmp_path, spares=1, kill_at={1: 8})
-    assert_lossless(job, tp_reference, incidents=1, world=4)
-    assert_survivors_kept(job, failed={1}, world=4)
-    [plan] = job.decisions("resume_planned")
-    assert (plan.donors, plan.recipients) == ({0: 0, 1: 3}, [1])  # rank 3: tp 1 of replica 1
-    [moved] = job.records(type="state_transferred")
-    assert (moved.rank, moved.donor) == (1, 3)
+    assert_restored_from(job, tp_reference, 1, 3, {0: 0, 1: 3})  # rank 3: tp 1 of replica 1
 
 
 def test_a_tp_coordinates_last_replica_lost_mid_transfer_falls_back_to_the_checkpoint(
