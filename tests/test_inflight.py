@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from flashrecovery.errors import Superseded
 from flashrecovery.trainer_hooks import inflight
-from flashrecovery.trainer_hooks.groups import Rendezvous
+from flashrecovery.trainer_hooks.groups import LazyGloo, Rendezvous
 
 TIMEOUT = datetime.timedelta(seconds=30)
 
@@ -178,3 +178,28 @@ def test_a_group_whose_last_reference_a_settled_collective_held_is_dropped_safel
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "ok"
+
+
+def test_a_send_and_its_recv_are_waited_for_once_and_not_bounded_by_the_connect_timeout() -> None:
+    """A pipeline stage's send and its neighbour's recv (gloo: no future, a thread waits):
+    waited for a second time, a gloo send or recv waits for a message that never comes and
+    closes the pair; waited for with no bound, it gives up at the group's connect timeout,
+    here a fifth of a second, while the receiver comes later than that, twice."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    left, right = (
+        LazyGloo(dist.PrefixStore("p2p/", store), rank, 2, datetime.timedelta(seconds=1))
+        for rank in (0, 1)
+    )
+    for message in (1.0, 2.0):
+        received = torch.zeros(4)
+
+        def receive_late(into: torch.Tensor) -> None:
+            time.sleep(0.6)
+            inflight.wait(right.recv([into], 0, 0), right, lambda: False)
+
+        receiver = threading.Thread(target=receive_late, args=(received,))
+        receiver.start()
+        inflight.wait(left.send([torch.full((4,), message)], 1, 0), left, lambda: False)
+        receiver.join(30)
+        assert torch.equal(received, torch.full((4,), message))
+    assert inflight._left_behind == []

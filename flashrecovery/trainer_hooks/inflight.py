@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from flashrecovery.errors import Superseded
+from flashrecovery.trainer_hooks.groups import COLLECTIVE_TIMEOUT
 
 POLL_S = 0.1  # how soon a newer generation's plan ends a wait in Python
 POLL = datetime.timedelta(seconds=POLL_S)
@@ -166,11 +167,11 @@ def wait(work: dist.Work, group: object, superseded: Callable[[], bool]) -> None
         work.wait()
         return
     if not _timed_wait(work):
-        ended = _ended(work)
-        while not ended.wait(POLL_S):
+        ending = _Ending(work)
+        while not ending.ended.wait(POLL_S):
             if superseded():
-                raise _leave_behind(group, ended)
-        work.wait()
+                raise _leave_behind(group, ending.ended)
+        ending.outcome()
         return
     # Waited for in torch, in slices: no hand-off to a Python callback on gloo's thread.
     while True:
@@ -182,7 +183,7 @@ def wait(work: dist.Work, group: object, superseded: Callable[[], bool]) -> None
                 work.wait()
                 return
             if superseded():
-                raise _leave_behind(group, _ended(work)) from None
+                raise _leave_behind(group, _Ending(work).ended) from None
 
 
 def _timed_wait(work: dist.Work) -> bool:
@@ -197,20 +198,39 @@ def _timed_wait(work: dist.Work) -> bool:
     return bool(outputs) and all(t.device.type == "cpu" for t in outputs)
 
 
-def _ended(work: dist.Work) -> threading.Event:
-    """An event set once ``work`` has ended, well or not."""
-    ended = threading.Event()
-    try:
-        work.get_future().add_done_callback(lambda _: ended.set())
-    except RuntimeError:  # gloo's reduce-scatter has no future: a thread waits on the work
+class _Ending:
+    """How ``work`` ended, once it has, well or not (``ended`` set). A work with a future is
+    watched through it; one without (gloo's reduce-scatter, send and recv) is waited for by a
+    thread, once: a gloo send or recv counts its completions, so a second wait on it would wait
+    for a message that never comes, and close the pair at its timeout. That thread's wait is
+    bounded by the collective timeout: a send or recv waited for with no bound would be bounded
+    by its group's connect timeout instead (groups.LazyGloo), seconds where a pipeline stage may
+    wait a slow peer's whole forward."""
 
-        def wait_quietly() -> None:
-            with contextlib.suppress(RuntimeError):  # raised again by the caller's wait()
-                work.wait()
-            ended.set()
+    def __init__(self, work: dist.Work) -> None:
+        self.ended = threading.Event()
+        self._work = work
+        self._waited = False
+        self._error: RuntimeError | None = None
+        try:
+            work.get_future().add_done_callback(lambda _: self.ended.set())
+        except RuntimeError:
+            self._waited = True
+            threading.Thread(target=self._wait, name="flashrecovery-work", daemon=True).start()
 
-        threading.Thread(target=wait_quietly, name="flashrecovery-work", daemon=True).start()
-    return ended
+    def _wait(self) -> None:
+        try:
+            self._work.wait(COLLECTIVE_TIMEOUT)
+        except RuntimeError as exc:  # raised by outcome(), in the caller's thread
+            self._error = exc
+        self.ended.set()
+
+    def outcome(self) -> None:
+        """Raise the work's error, if it ended with one (call once ``ended`` is set)."""
+        if not self._waited:
+            self._work.wait()
+        elif self._error is not None:
+            raise self._error
 
 
 def _leave_behind(group: object, ended: threading.Event) -> Superseded:
