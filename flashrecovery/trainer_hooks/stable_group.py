@@ -372,6 +372,14 @@ class StableGroup(dist.ProcessGroup):
         if self.training_over:
             raise LostAfterTraining(error)
 
+    def _get_backend(self, device: torch.device) -> StableGroup:  # type: ignore[override]
+        """torch asks a group for its backend on a device (``batch_isend_irecv``: whether the
+        backend coalesces a batch of sends and receives). The backend underneath changes with
+        each generation, so the group answers for itself, as torch's Python process groups do."""
+        return self
+
+    supports_coalescing = False  # a batch's sends and receives go one by one (pipeline.py)
+
     # ------------------------------------------------------------------ naming (DeviceMesh)
 
     def _set_group_name(self, name: str) -> None:
