@@ -49,6 +49,7 @@ from flashrecovery.trainer_hooks import (
     final_state,
     inflight,
     nonfinite,
+    pipeline,
     stable_group,
     vote,
 )
@@ -62,6 +63,8 @@ from flashrecovery.trainer_hooks.recovery import Recovery
 from flashrecovery.trainer_hooks.training_state import Stateful, TrainingState
 
 if TYPE_CHECKING:
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+
     from flashrecovery.trainer_hooks.checkpoint import Checkpointer
 
 ABORT_GRACE_BEATS = 3  # heartbeat intervals an aborted vote waits for a plan before its retry
@@ -160,10 +163,12 @@ class Session:
         extras: Mapping[str, Stateful] | None = None,
         warmup: Callable[[], object] | None = None,
         loader: Iterable[Any] | None = None,
+        schedule: _PipelineSchedule | None = None,
     ) -> None:
         """Hand over what defines the training state (build it identically on every rank:
         seed first). A spare not yet assigned pays its first-time costs here, then reports
-        ready. A model wrapped in DDP is given its final bucket order now (ddp.py).
+        ready. A model wrapped in DDP is given its final bucket order now (ddp.py), a pipeline
+        ``schedule`` (its stage's module is ``model``) its one-time setup (pipeline.py).
         ``loader``: the training loader, whose own ``for batch in loader`` then yields the
         session's steps (as ``batches(loader)`` would) inside ``epochs()``; a
         ``StatefulDataLoader`` resumes from its own state (loader.py)."""
@@ -183,6 +188,8 @@ class Session:
             adopt(loader, self._epoch_batches)
         self._state.register(model, optimizer, extras)
         ddp.settle_buckets(model)
+        if schedule is not None:
+            pipeline.settle_schedule(schedule)
         spare = self._member.rank is None
         if spare and warmup is not None:
             warmup()
