@@ -10,7 +10,8 @@ seeded random rank is SIGKILLed from outside, ``--kills`` times, each once the j
 rank having committed a new step (the engine's IncidentClosed); the phases come from the incident
 machine. ``--parallel`` picks how the demo trains: ``hook`` (pure data parallel, every rank a
 replica of the whole state) and ``hsdp`` (FSDP2 on a replicas x 2 shards mesh, 4 or more ranks:
-a replacement receives its shard's state only), or ``ddp`` (torch DDP over the stable group);
+a replacement receives its shard's state only), or ``ddp`` (torch DDP over the stable group),
+``tp-hsdp`` (tensor parallel beside FSDP2, replicas x 1 x 2) or ``3d`` (replicas x 2 x 2);
 ``--group-rebuild`` sets how the stable groups of ``ddp`` and ``hsdp`` change generation
 (``flashrecovery run --group-rebuild``). The state moved (bytes, all recipients) and the
 restore (the slowest recipient's receive, ms) come from StateTransferred. Medians go to
@@ -40,7 +41,7 @@ from rich.console import Console
 from bench.lib.launch import job_spec
 from bench.lib.results import machine, ms, stacked_bars, table, write_json
 from flashrecovery.connectors import open_log
-from flashrecovery.demo.job import LaunchedJob
+from flashrecovery.demo.job import REPLICA_MESH, LaunchedJob, whole_replicas
 from flashrecovery.demo.summary import incidents
 from flashrecovery.demo.watch import JobWatch, Kill, Killer, follow
 from flashrecovery.records import StepCompleted, Stream
@@ -281,8 +282,9 @@ def main() -> None:
         "--parallel",
         nargs="+",
         default=["hook", "hsdp"],
-        choices=["hook", "ddp", "hsdp"],
-        help="how the demo trains (hsdp: worlds of 4 or more, even)",
+        choices=["hook", "ddp", *REPLICA_MESH],
+        help="how the demo trains (hsdp, tp-hsdp: worlds of 4 or more, even; 3d: of 8 or "
+        "more, a multiple of 4)",
     )
     parser.add_argument(
         "--modes", nargs="+", default=list(MODES), choices=list(MODES), help="replacements"
@@ -318,7 +320,7 @@ def main() -> None:
         for parallel in args.parallel
         for rebuild in (["fresh"] if parallel == "hook" else args.group_rebuild)
         if (parallel in ("hook", "ddp") and not (args.quick and world > 2))
-        or (parallel == "hsdp" and world >= 4 and world % 2 == 0)
+        or (parallel in REPLICA_MESH and whole_replicas(parallel, world))
     ]
     configs = []
     with tempfile.TemporaryDirectory(prefix="flashrecovery-rto-") as tmp:

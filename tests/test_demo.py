@@ -8,8 +8,10 @@ the bookkeeping that verdict rests on, without starting any process.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,6 +27,7 @@ from factories import JOB, T0, TYPES_BY_NAME, make
 from flashrecovery.chaos.verdict import record_counts
 from flashrecovery.connectors import open_log
 from flashrecovery.connectors.memory import MemoryLog
+from flashrecovery.demo.cli import add_arguments, kill_plan
 from flashrecovery.demo.data import batch_for
 from flashrecovery.demo.job import JobSpec
 from flashrecovery.demo.results import RankResult
@@ -83,14 +86,23 @@ def run_kill_demo(
 
 @pytest.mark.parametrize(
     ("parallel", "nproc", "rebuild"),
-    [("hook", 2, "fresh"), ("ddp", 2, "fresh"), ("ddp", 2, "reconfigure"), ("hsdp", 4, "fresh")],
+    [
+        ("hook", 2, "fresh"),
+        ("ddp", 2, "fresh"),
+        ("ddp", 2, "reconfigure"),
+        ("hsdp", 4, "fresh"),
+        ("tp-hsdp", 4, "fresh"),
+        ("pp", 4, "fresh"),
+    ],
 )
 def test_demo_kill_recovers_bitwise_equal(
     tmp_path: Path, parallel: str, nproc: int, rebuild: str
 ) -> None:
     """With the hook's own reduce, with the GPT wrapped in torch DDP on the stable group (its
-    backend new per generation, or reconfigured in place), and sharded with FSDP2 on a 2 x 2
-    HSDP mesh (rank 1 restored from rank 3, its shard's replica)."""
+    backend new per generation, or reconfigured in place), sharded with FSDP2 on a 2 x 2
+    HSDP mesh (rank 1 restored from rank 3, its shard's replica), and its feed-forward layers
+    split over "tp" beside FSDP2 on a 2 x 1 x 2 mesh (rank 1 from rank 3, its tp coordinate's),
+    and in two pipeline stages with 2 replicas each (rank 1 from rank 3, its stage's replica)."""
     summary, context, code = run_kill_demo(
         tmp_path, parallel, nproc, "1@3", "--group-rebuild", rebuild
     )
@@ -159,6 +171,30 @@ def test_batches_and_model_are_the_same_in_every_process() -> None:
     assert not torch.equal(x1, batch_for(5, 2, 4)[0])
     assert parameters_sha256(build(0)[0]) == parameters_sha256(build(0)[0])
     assert parameters_sha256(build(0)[0]) != parameters_sha256(build(1)[0])
+
+
+@pytest.mark.parametrize(
+    ("parallel", "nproc", "why"),
+    [
+        ("hsdp", 2, "2 dp_shard = 2 ranks, with at least 2 replicas: --nproc must be a multiple"),
+        ("tp-hsdp", 6, None),
+        ("tp-hsdp", 3, "1 dp_shard x 2 tp = 2 ranks"),
+        ("3d", 4, "2 dp_shard x 2 tp = 4 ranks, with at least 2 replicas"),
+        ("3d", 8, None),
+        ("pp", 3, "2 pp = 2 ranks"),
+    ],
+)
+def test_a_layout_takes_whole_replicas_of_its_mesh(
+    parallel: str, nproc: int, why: str | None
+) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--nproc", str(nproc), "--spares", "1", "--parallel", parallel])
+    if why is None:
+        assert len(kill_plan(args)) == 1
+    else:
+        with pytest.raises(ValueError, match=re.escape(why)):
+            kill_plan(args)
 
 
 @pytest.mark.parametrize("spec", ["1", "a@3", "1@", "@2", "-1@2"])

@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from bench.overhead.turns import Gate, Gates
 from flashrecovery.demo.data import BLOCK_SIZE, batch_for, vocabulary
-from flashrecovery.demo.job import HSDP_SHARDS
+from flashrecovery.demo.job import replica_ranks
 from flashrecovery.demo.model import GPTConfig, TinyGPT, lm_loss
 from flashrecovery.trainer_hooks import Session, ddp, init, stable_group
 from flashrecovery.trainer_hooks.final_state import parameters_sha256
@@ -106,7 +106,8 @@ def wrap(model: torch.nn.Module, parallel: str, mesh: DeviceMesh | None) -> torc
 
 
 def hsdp_shape(world: int) -> tuple[int, int]:
-    return world // HSDP_SHARDS, HSDP_SHARDS
+    shards = replica_ranks("hsdp")
+    return world // shards, shards
 
 
 def train(

@@ -32,10 +32,12 @@ from flashrecovery import terminal
 from flashrecovery.connectors import open_log
 from flashrecovery.demo.job import (
     FSDP_CHECKPOINT_EVERY,
-    HSDP_SHARDS,
     PARALLEL,
+    REPLICA_MESH,
     JobSpec,
     LaunchedJob,
+    replica_ranks,
+    whole_replicas,
 )
 from flashrecovery.demo.summary import summarize
 from flashrecovery.demo.watch import JobWatch, Kill, Killer, follow
@@ -109,9 +111,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--parallel",
         choices=PARALLEL,
         default="hook",
-        help="who reduces the gradients: the hook (default), torch DDP on the stable group, or "
-        f"FSDP2 HSDP on a (nproc/{HSDP_SHARDS}, {HSDP_SHARDS}) mesh, or FSDP2 over all ranks "
-        f"(fsdp: no replica, a checkpoint every {FSDP_CHECKPOINT_EVERY} steps to fall back to)",
+        help="who reduces the gradients: the hook (default), torch DDP on the stable group, "
+        "FSDP2 HSDP on a (nproc/2, 2) mesh, FSDP2 over all ranks (fsdp: no replica, a "
+        f"checkpoint every {FSDP_CHECKPOINT_EVERY} steps to fall back to), or FSDP2 beside "
+        "tensor parallel on a (dp_replicate, dp_shard, tp) mesh: tp-hsdp (nproc/2, 1, 2), "
+        "3d (nproc/4, 2, 2)",
     )
     parser.add_argument(
         "--group-rebuild",
@@ -126,11 +130,16 @@ def kill_plan(args: argparse.Namespace) -> list[Kill]:
     """The kills asked for, or one random kill drawn from the seed (so a rerun repeats it)."""
     if args.nproc < 1 or args.spares < 0 or args.steps < 2:
         raise ValueError("--nproc must be >= 1, --spares >= 0 and --steps >= 2")
-    if args.parallel == "hsdp" and (args.nproc < 2 * HSDP_SHARDS or args.nproc % HSDP_SHARDS):
-        raise ValueError(
-            f"--parallel hsdp shards the model {HSDP_SHARDS} ways with at least 2 replicas: "
-            f"--nproc must be a multiple of {HSDP_SHARDS}, at least {2 * HSDP_SHARDS}"
-        )
+    if args.parallel in REPLICA_MESH:
+        within = replica_ranks(args.parallel)
+        if not whole_replicas(args.parallel, args.nproc):
+            replica = REPLICA_MESH[args.parallel].items()
+            mesh = " x ".join(f"{size} {name}" for name, size in replica)
+            raise ValueError(
+                f"--parallel {args.parallel} holds each replica on {mesh} = {within} ranks, with "
+                f"at least 2 replicas: --nproc must be a multiple of {within}, at least "
+                f"{2 * within}"
+            )
     if args.nodes < 1 or args.nproc % args.nodes:
         raise ValueError(f"--nodes {args.nodes}: --nproc {args.nproc} must split evenly")
     # pure FSDP falls back to a checkpoint: a kill comes after the first one

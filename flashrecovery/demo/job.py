@@ -9,6 +9,7 @@ several nodes runs one agent per loopback "node" (agent/loopback.py), each its o
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import secrets
 import signal
@@ -33,11 +34,32 @@ if TYPE_CHECKING:  # the agent package imports torch: only a job of several node
 
 TRAIN_SCRIPT = Path(__file__).resolve().with_name("train.py")  # by path: no torch import here
 STOP_GRACE_S = 5.0
-PARALLEL = ("hook", "ddp", "hsdp", "fsdp")  # who reduces the gradients (train.py --parallel)
-HSDP_SHARDS = 2  # --parallel hsdp: a (nproc / 2, 2) mesh of replicas x shards
+# Who reduces the gradients (train.py --parallel): the hook, torch DDP, FSDP2 (over replicas x
+# shards, or over all ranks), FSDP2 beside tensor parallel (torchtitan's mesh), or torch DDP
+# over the replicas of each pipeline stage.
+PARALLEL = ("hook", "ddp", "hsdp", "fsdp", "tp-hsdp", "3d", "pp")
+# The layouts with replicas of a sharded state: the mesh of one replica (the mesh's dimensions
+# after the first, "dp_replicate"), whose ranks each hold distinct state (run --shards).
+REPLICA_MESH = {
+    "hsdp": {"dp_shard": 2},
+    "tp-hsdp": {"dp_shard": 1, "tp": 2},
+    "3d": {"dp_shard": 2, "tp": 2},
+    "pp": {"pp": 2},
+}
 # --parallel fsdp: one shard per rank, no replica, so a lost rank is restored from the latest
 # checkpoint, saved every this many steps.
 FSDP_CHECKPOINT_EVERY = 4
+
+
+def replica_ranks(parallel: str) -> int:
+    """The ranks of one replica in a layout of ``REPLICA_MESH``."""
+    return math.prod(REPLICA_MESH[parallel].values())
+
+
+def whole_replicas(parallel: str, nproc: int) -> bool:
+    """Whether ``nproc`` ranks make 2 or more whole replicas of a layout of ``REPLICA_MESH``."""
+    within = replica_ranks(parallel)
+    return nproc >= 2 * within and nproc % within == 0
 
 
 @dataclass(frozen=True)
@@ -82,7 +104,9 @@ class JobSpec:
 
     def run_options(self) -> list[str]:
         """The `flashrecovery run` options every agent of the job gets."""
-        shards = {"hsdp": ["--shards", str(HSDP_SHARDS)], "fsdp": ["--shards", str(self.nproc)]}
+        shards = {"fsdp": ["--shards", str(self.nproc)]} | {
+            parallel: ["--shards", str(replica_ranks(parallel))] for parallel in REPLICA_MESH
+        }
         checkpoints = (
             [
                 "--checkpoint-dir",

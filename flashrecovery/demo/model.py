@@ -82,6 +82,41 @@ class TinyGPT(nn.Module):
         return lm_loss(self(idx), targets)
 
 
+class _FirstStage(nn.Module):
+    def __init__(self, model: TinyGPT, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.tok, self.pos, self.blocks = model.tok, model.pos, nn.ModuleList(blocks)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class _LastStage(nn.Module):
+    def __init__(self, model: TinyGPT, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.blocks, self.ln_f = nn.ModuleList(blocks), model.ln_f
+        self.head = nn.Linear(model.config.n_embd, model.config.vocab_size, bias=False)
+        self.head.weight = nn.Parameter(model.tok.weight.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        logits: torch.Tensor = self.head(self.ln_f(x))
+        return logits
+
+
+def pipeline_stages(model: TinyGPT) -> tuple[nn.Module, nn.Module]:
+    """The model as two pipeline stages: the embeddings and the first half of the blocks, then
+    the rest and the head. The head starts as a copy of the embedding instead of sharing it
+    (the stages live on different ranks; torchtitan unties them for pipelining too)."""
+    half = len(model.blocks) // 2
+    blocks = list(model.blocks)
+    return _FirstStage(model, blocks[:half]), _LastStage(model, blocks[half:])
+
+
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Next-character cross-entropy; a wrapper such as DDP calls it on its own forward."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -5,25 +5,29 @@ session yields (after a recovery it resumes after the committed step), and leave
 parameters' digest, the losses and the step times in ``<run-dir>/rank<k>.json``. With
 ``--parallel ddp`` the model is wrapped in torch DDP over the session's stable process group
 (``hsdp``: sharded with FSDP2 over a replicas x shards mesh; ``fsdp``: over all ranks, no
-replica, checkpoints on), which reduces the gradients, and the script steps its optimizer on a
-committed step.
+replica, checkpoints on; ``tp-hsdp`` and ``3d``: each block's feed-forward layers split over the
+mesh's "tp" dimension, FSDP2 over the others; ``pp``: two pipeline stages, each in DDP over its
+replicas), which reduces the gradients, and the script steps its optimizer on a committed step.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import sys
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LambdaLR
 
-from flashrecovery.demo.data import BLOCK_SIZE, batch_for, vocabulary
-from flashrecovery.demo.job import HSDP_SHARDS, PARALLEL
-from flashrecovery.demo.model import GPTConfig, TinyGPT, lm_loss
+from flashrecovery.demo.data import BATCH_SIZE, BLOCK_SIZE, batch_for, vocabulary
+from flashrecovery.demo.job import PARALLEL, REPLICA_MESH, replica_ranks
+from flashrecovery.demo.model import GPTConfig, TinyGPT, lm_loss, pipeline_stages
 from flashrecovery.demo.results import RankResult
 from flashrecovery.trainer_hooks import init
 from flashrecovery.trainer_hooks.final_state import parameters_sha256
@@ -53,6 +57,75 @@ def optimizer_for(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, Lambda
     return optimizer, LambdaLR(optimizer, _warmup_factor)
 
 
+def split_over_tp(model: TinyGPT, mesh: DeviceMesh) -> DeviceMesh:
+    """Tensor parallel as Megatron splits a feed-forward: each block's first layer by its
+    columns, the second by the rows that meet them, over the mesh's "tp" dimension; the part of
+    the mesh left for FSDP2 is returned. (Attention stays whole: its fused qkv would need its
+    heads split.)"""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    plan = {"mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], plan)
+    data = tuple(name for name in mesh.mesh_dim_names or () if name != "tp")
+    return mesh[data]
+
+
+class Pipeline:
+    """The model as two pipeline stages (``torch.distributed.pipelining``, GPipe over 2
+    microbatches) on a ("dp_replicate", "pp") mesh: rank r runs stage r % 2, in torch DDP over
+    the replicas of its stage. Each stage's shapes are given, and the schedule is handed to
+    ``register`` (docs/hook.md, "Pipeline parallel")."""
+
+    MICROBATCHES = 2
+
+    def __init__(self, model: TinyGPT, mesh: DeviceMesh) -> None:
+        from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+        self.group, self.index = mesh.get_group("pp"), mesh.get_local_rank("pp")
+        self.replica = mesh.get_local_rank("dp_replicate")
+        stages = pipeline_stages(model)
+        part = stages[self.index]
+        example = torch.zeros(BATCH_SIZE // self.MICROBATCHES, BLOCK_SIZE, dtype=torch.long)
+        for before in stages[: self.index]:
+            example = before(example)
+        self.module = DistributedDataParallel(part, process_group=mesh.get_group("dp_replicate"))
+        stage = PipelineStage(
+            self.module,
+            self.index,
+            len(stages),
+            torch.device("cpu"),
+            input_args=example,
+            output_args=part(example),
+            group=self.group,
+        )
+        self.last_index = len(stages) - 1
+        self.last = self.index == self.last_index
+        self.schedule = ScheduleGPipe(stage, self.MICROBATCHES, loss_fn=lm_loss)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """One step's forward and backward over every stage; the loss (the last stage's, sent
+        to the others)."""
+        losses: list[torch.Tensor] = []
+        if self.last:
+            self.schedule.step(target=y, losses=losses)
+        else:
+            self.schedule.step(x)
+        loss = torch.stack(losses).mean().detach() if losses else torch.zeros(())
+        dist.broadcast(loss, group=self.group, group_src=self.last_index)
+        return loss.item()
+
+    def digest(self) -> str:
+        """The whole model's digest: every stage's, in stage order (a collective)."""
+        stages: list[str | None] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(stages, parameters_sha256(self.module.module), group=self.group)
+        return hashlib.sha256("".join(str(s) for s in stages).encode()).hexdigest()
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, required=True)
@@ -73,23 +146,35 @@ def main(argv: list[str] | None = None) -> int:
     session = init()
     ours = args.parallel != "hook"  # torch's DDP / FSDP reduce the gradients
     mesh = None
-    if args.parallel == "hsdp":  # a hot spare waits in here until it has a rank
-        replicas = session.world_size // HSDP_SHARDS
-        mesh = session.device_mesh((replicas, HSDP_SHARDS), ("replicate", "shard"))
+    if args.parallel in REPLICA_MESH:  # a hot spare waits in here until it has a rank
+        replica = REPLICA_MESH[args.parallel]
+        replicas = session.world_size // replica_ranks(args.parallel)
+        mesh = session.device_mesh((replicas, *replica.values()), ("dp_replicate", *replica))
     elif args.parallel == "fsdp":
         mesh = session.device_mesh((session.world_size,), ("shard",))
     elif ours:
         session.process_group()
     model, optimizer, schedule = build(args.seed)
     forward: torch.nn.Module = model
-    if mesh is not None:
+    data_rank, data_ranks = session.rank, session.world_size  # whose batches this rank reads
+    pipe = None
+    if mesh is not None and "pp" in (mesh.mesh_dim_names or ()):
+        pipe = Pipeline(model, mesh)
+        forward, data_rank, data_ranks = pipe.module, pipe.replica, mesh.size(0)
+        optimizer, schedule = optimizer_for(forward)
+    elif mesh is not None:
         # Here, not at the top: FSDP2's import costs a rank half a second of CPU at start,
         # which a replacement spawned fresh for the other modes would pay for nothing.
         from torch.distributed.fsdp import fully_shard
 
+        data_mesh = mesh
+        if "tp" in (mesh.mesh_dim_names or ()):
+            data_mesh = split_over_tp(model, mesh)
+            flat = data_mesh._flatten()  # the ranks of one tp group read the same batches
+            data_rank, data_ranks = flat.get_local_rank(), flat.size()
         for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=data_mesh)
+        fully_shard(model, mesh=data_mesh)
         optimizer, schedule = optimizer_for(model)
     elif ours:
         forward = DistributedDataParallel(model)
@@ -98,7 +183,13 @@ def main(argv: list[str] | None = None) -> int:
         x, y = batch_for(0, 0, session.world_size)
         model.loss(x, y).backward()  # every step starts by clearing the gradients
 
-    session.register(forward, optimizer, extras={"lr_schedule": schedule}, warmup=warmup)
+    session.register(
+        forward,
+        optimizer,
+        extras={"lr_schedule": schedule},
+        warmup=warmup,
+        schedule=None if pipe is None else pipe.schedule,
+    )
     losses: dict[int, float] = {}
     step_times: list[float] = []  # commit to commit: the hook's own work between steps counts
     last = time.perf_counter()
@@ -106,11 +197,14 @@ def main(argv: list[str] | None = None) -> int:
         for step in session.steps(args.steps):
             started = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
-            x, y = batch_for(step, session.rank, session.world_size)
-            loss = lm_loss(forward(x), y)
-            loss.backward()
+            x, y = batch_for(step, data_rank, data_ranks)
+            if pipe is None:
+                loss = lm_loss(forward(x), y)
+                loss.backward()
+                value = loss.item()
+            else:
+                value = pipe.step(x, y)
             time.sleep(max(0.0, args.min_step_s - (time.perf_counter() - started)))
-            value = loss.item()
             committed = session.commit(loss=value)
             now = time.perf_counter()
             if committed:
@@ -120,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
                 losses[step] = value
                 step_times.append(now - last)
             last = now
-        digest = parameters_sha256(model)  # sharded: gathered over the groups, still up
+        # Sharded: gathered over the groups, still up; pipelined: every stage's, in order.
+        digest = parameters_sha256(model) if pipe is None else pipe.digest()
     RankResult(
         rank=session.rank,
         pid=os.getpid(),
