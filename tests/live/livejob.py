@@ -161,7 +161,7 @@ def run_job(
     commit (as the log shows it) the rank's process is SIGKILLed from outside; ``scenario``
     steps run in order as the events arrive."""
     out = tmp_path / "out"
-    out.mkdir()
+    out.mkdir(parents=True)
     args = ["--out", str(out), "--step-time", str(step_time_s)]
     if script == SCRIPT:  # an example script has its own length (STEPS steps too)
         args += ["--steps", str(STEPS)]

@@ -45,7 +45,6 @@ def reference(references: References, tmp_path: Path, schedule: str) -> dict[int
 
 
 def run_pp(tmp_path: Path, schedule: str, **kwargs: Any) -> JobResult:
-    tmp_path.mkdir(exist_ok=True)
     args = ["--schedule", schedule]
     return run_job(tmp_path, **PP, script_args=args, **kwargs)  # type: ignore[arg-type]
 
