@@ -14,7 +14,11 @@ Sides (bench/overhead/rank.py runs every one of them through the same step loop)
   run``; ``commit()`` only votes;
 - ``hook``: the hook's own reduce (no DDP): ``commit()`` averages the gradients, votes and steps;
 - ``hsdp``: plain FSDP2 on a (ranks / 2) x 2 replicate x shard mesh: the HSDP baseline;
-- ``hook-hsdp``: the same HSDP over the session's stable mesh, under ``flashrecovery run``.
+- ``hook-hsdp``: the same HSDP over the session's stable mesh, under ``flashrecovery run``;
+- ``tp-hsdp``: tensor parallel beside FSDP2 on a (ranks / 2) x 1 x 2 ("dp_replicate",
+  "dp_shard", "tp") mesh, the feed-forward layers split over "tp" (the demo's plan; the MLP's
+  linear layers in pairs): the baseline;
+- ``hook-tp-hsdp``: the same over the session's stable mesh, under ``flashrecovery run``.
 
 A hook side pays everything the hook adds: the vote on the store, the StepCompleted record, the
 heartbeat and decisions threads, and the agent (with its engine) on the same cores. Beside wall

@@ -14,7 +14,7 @@ from rich.markup import escape
 
 import bench.overhead
 from bench.lib.results import machine
-from bench.overhead.rank import MODELS
+from bench.overhead.rank import MODELS, SHARDED
 from bench.overhead.report import report, report_pooled
 from bench.overhead.sides import PHASE_SKIP, SIDES, WARMUP, run, take_turns
 from bench.overhead.summary import pool, resummarize, summarize, summarize_turns
@@ -59,8 +59,9 @@ def main() -> None:
     if args.quick:
         args.models, args.worlds, args.steps, args.repeats = ["mlp"], [2], WARMUP + 7, 1
         args.phase_steps = PHASE_SKIP + 3
-    if any(w % 2 for w in args.worlds) and {"hsdp", "hook-hsdp"} & set(args.sides):
-        parser.error("HSDP runs a (ranks / 2) x 2 mesh: give even --worlds")
+    sharded = {name for name, side in SIDES.items() if side.parallel in SHARDED} & set(args.sides)
+    if sharded and any(w % 2 for w in args.worlds):
+        parser.error(f"{', '.join(sorted(sharded))}: replicas of 2 ranks, give even --worlds")
     torch.set_num_threads(1)
     results = []
     with tempfile.TemporaryDirectory(prefix="flashrecovery-overhead-") as tmp:

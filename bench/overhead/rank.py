@@ -27,17 +27,31 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
 from torch.nn.parallel import DistributedDataParallel
 
 from bench.overhead.turns import Gate, Gates
 from flashrecovery.demo.data import BLOCK_SIZE, batch_for, vocabulary
-from flashrecovery.demo.job import replica_ranks
-from flashrecovery.demo.model import GPTConfig, TinyGPT, lm_loss
+from flashrecovery.demo.job import replica_mesh
+from flashrecovery.demo.model import (
+    GPTConfig,
+    TinyGPT,
+    data_coordinate,
+    lm_loss,
+    tensor_parallel,
+)
 from flashrecovery.trainer_hooks import Session, ddp, init, stable_group
 from flashrecovery.trainer_hooks.final_state import parameters_sha256
 
 MODELS = ("gpt", "mlp")
-PARALLEL = ("hook", "ddp", "hsdp")  # who reduces the gradients: the hook, torch DDP, FSDP2
+# Who reduces the gradients: the hook, torch DDP, FSDP2 (HSDP), FSDP2 beside tensor parallel.
+PARALLEL = ("hook", "ddp", "hsdp", "tp-hsdp")
+SHARDED = ("hsdp", "tp-hsdp")  # on a mesh of the demo's layouts (flashrecovery/demo/job.py)
 MLP_WIDTH, MLP_LAYERS, MLP_BATCH = 1024, 4, 32  # 4.2 M parameters
 LEARNING_RATE = 1e-3
 STORE_TIMEOUT = timedelta(seconds=60)
@@ -91,23 +105,37 @@ def loss_of(name: str, output: torch.Tensor, target: torch.Tensor) -> torch.Tens
     return lm_loss(output, target) if name == "gpt" else F.mse_loss(output, target)
 
 
-def wrap(model: torch.nn.Module, parallel: str, mesh: DeviceMesh | None) -> torch.nn.Module:
-    """DDP, or FSDP2 on the mesh (each block, then the whole), or the model as it is."""
+def wrap(
+    model: torch.nn.Module, parallel: str, mesh: DeviceMesh | None, rank: int, world: int
+) -> tuple[torch.nn.Module, int, int]:
+    """DDP, or FSDP2 on the mesh (each block, then the whole; tp-hsdp: the feed-forward layers
+    split over "tp" first), or the model as it is; and whose batches this rank reads (its
+    data-parallel coordinate, and their number)."""
     if parallel == "ddp":
-        return DistributedDataParallel(model)
-    if parallel == "hsdp":
+        return DistributedDataParallel(model), rank, world
+    if parallel in SHARDED:
         assert mesh is not None
+        if parallel == "tp-hsdp":
+            mesh = (
+                tensor_parallel(model, mesh) if isinstance(model, TinyGPT) else _mlp_tp(model, mesh)
+            )
+            rank, world = data_coordinate(mesh)
         blocks = model.blocks if isinstance(model, TinyGPT) else model.children()
         for block in blocks:
             if any(p.requires_grad for p in block.parameters()):
                 fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-    return model
+    return model, rank, world
 
 
-def hsdp_shape(world: int) -> tuple[int, int]:
-    shards = replica_ranks("hsdp")
-    return world // shards, shards
+def _mlp_tp(model: torch.nn.Module, mesh: DeviceMesh) -> DeviceMesh:
+    """The MLP's linear layers in pairs over "tp": the first by columns, the second by rows."""
+    linears = [n for n, layer in model.named_children() if isinstance(layer, torch.nn.Linear)]
+    plan: dict[str, ParallelStyle] = {}
+    for first, second in zip(linears[::2], linears[1::2], strict=True):
+        plan |= {first: ColwiseParallel(), second: RowwiseParallel()}
+    parallelize_module(model, mesh["tp"], plan)
+    return mesh["dp_replicate", "dp_shard"]
 
 
 def train(
@@ -127,7 +155,7 @@ def train(
     ``register()`` settles them. ``gate``: the rank waits for its job's turn at the gate steps
     (turns.py), the wait counted in no step."""
     model, batch = model_and_data(name)
-    forward = wrap(model, parallel, mesh)
+    forward, data_rank, data_world = wrap(model, parallel, mesh, rank, world)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
     times = StepTimes(rank)
     step_range: Iterable[int] = range(steps)
@@ -141,7 +169,7 @@ def train(
         if gate is not None and gate.passes(step):
             last, last_cpu = time.perf_counter(), time.process_time()
         optimizer.zero_grad(set_to_none=True)
-        x, y = batch(step, rank, world)
+        x, y = batch(step, data_rank, data_world)
         loss = loss_of(name, forward(x), y)
         loss.backward()
         value = loss.item()
@@ -190,8 +218,9 @@ def plain_rank(
     else:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     mesh = None
-    if parallel == "hsdp":
-        mesh = init_device_mesh("cpu", hsdp_shape(world), mesh_dim_names=("replicate", "shard"))
+    if parallel in SHARDED:
+        shape, names = replica_mesh(parallel, world)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     gate = None if gates is None else gates.open(rank)
     train(name, parallel, steps, rank, world, mesh, None, stable, gate).write(Path(out))
     dist.barrier()  # no rank leaves while another is still in a collective
@@ -219,8 +248,8 @@ def main(argv: list[str]) -> int:
         gates = Gates(args.gates[0], int(args.gates[1]), int(args.gates[2]))
     session = init()
     mesh = None
-    if args.parallel == "hsdp":
-        mesh = session.device_mesh(hsdp_shape(session.world_size), ("replicate", "shard"))
+    if args.parallel in SHARDED:
+        mesh = session.device_mesh(*replica_mesh(args.parallel, session.world_size))
     elif args.parallel == "ddp":
         session.process_group()
     with session:

@@ -49,6 +49,8 @@ SIDES = {
     "hook": Side("hook", hook=True, baseline="ddp"),
     "hsdp": Side("hsdp", hook=False),
     "hook-hsdp": Side("hsdp", hook=True, baseline="hsdp"),
+    "tp-hsdp": Side("tp-hsdp", hook=False),
+    "hook-tp-hsdp": Side("tp-hsdp", hook=True, baseline="tp-hsdp"),
 }
 
 
@@ -58,7 +60,7 @@ def hook_job(
     """The job under ``flashrecovery run`` (started on entering it)."""
     spec = replace(
         job_spec(out.name, out.parent, nproc=world, spares=0, steps=steps),
-        parallel=side.parallel,  # hsdp: the job gets --shards
+        parallel=side.parallel,  # hsdp, tp-hsdp: the job gets --shards
         agent_args=() if side.verify_every is None else ("--verify-every", str(side.verify_every)),
         script=RANK_SCRIPT,
         script_args=(

@@ -56,6 +56,13 @@ def replica_ranks(parallel: str) -> int:
     return math.prod(REPLICA_MESH[parallel].values())
 
 
+def replica_mesh(parallel: str, nproc: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The shape and dimension names of a layout's mesh over ``nproc`` ranks: the replicas
+    first ("dp_replicate"), then one replica's (``REPLICA_MESH``)."""
+    replica = REPLICA_MESH[parallel]
+    return (nproc // replica_ranks(parallel), *replica.values()), ("dp_replicate", *replica)
+
+
 def whole_replicas(parallel: str, nproc: int) -> bool:
     """Whether ``nproc`` ranks make 2 or more whole replicas of a layout of ``REPLICA_MESH``."""
     within = replica_ranks(parallel)

@@ -10,10 +10,14 @@ which is what the demo's lossless check compares
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,30 @@ def pipeline_stages(model: TinyGPT) -> tuple[nn.Module, nn.Module]:
     half = len(model.blocks) // 2
     blocks = list(model.blocks)
     return _FirstStage(model, blocks[:half]), _LastStage(model, blocks[half:])
+
+
+def tensor_parallel(model: TinyGPT, mesh: DeviceMesh) -> DeviceMesh:
+    """Tensor parallel as Megatron splits a feed-forward: each block's first layer by its
+    columns, the second by the rows that meet them, over the mesh's "tp" dimension; returns the
+    part of the mesh left for data parallelism. (Attention stays whole: its fused qkv would
+    need its heads split.)"""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    plan = {"mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], plan)
+    return mesh[tuple(name for name in mesh.mesh_dim_names or () if name != "tp")]
+
+
+def data_coordinate(data_mesh: DeviceMesh) -> tuple[int, int]:
+    """This rank's place among the data-parallel coordinates of ``data_mesh``, and their
+    number: the ranks of one tp group read the same batches."""
+    flat = data_mesh._flatten()
+    return flat.get_local_rank(), flat.size()
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

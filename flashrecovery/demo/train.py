@@ -18,19 +18,29 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LambdaLR
 
 from flashrecovery.demo.data import BATCH_SIZE, BLOCK_SIZE, batch_for, vocabulary
-from flashrecovery.demo.job import PARALLEL, REPLICA_MESH, replica_ranks
-from flashrecovery.demo.model import GPTConfig, TinyGPT, lm_loss, pipeline_stages
+from flashrecovery.demo.job import PARALLEL, REPLICA_MESH, replica_mesh
+from flashrecovery.demo.model import (
+    GPTConfig,
+    TinyGPT,
+    data_coordinate,
+    lm_loss,
+    pipeline_stages,
+    tensor_parallel,
+)
 from flashrecovery.demo.results import RankResult
 from flashrecovery.trainer_hooks import init
 from flashrecovery.trainer_hooks.final_state import parameters_sha256
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 LEARNING_RATE = 1e-3
 WARMUP_STEPS = 10  # linear learning-rate warm-up
@@ -55,24 +65,6 @@ def optimizer_for(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, Lambda
     """AdamW and its warm-up schedule over the model's parameters (FSDP2's, once sharded)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
     return optimizer, LambdaLR(optimizer, _warmup_factor)
-
-
-def split_over_tp(model: TinyGPT, mesh: DeviceMesh) -> DeviceMesh:
-    """Tensor parallel as Megatron splits a feed-forward: each block's first layer by its
-    columns, the second by the rows that meet them, over the mesh's "tp" dimension; the part of
-    the mesh left for FSDP2 is returned. (Attention stays whole: its fused qkv would need its
-    heads split.)"""
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
-    plan = {"mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
-    for block in model.blocks:
-        parallelize_module(block, mesh["tp"], plan)
-    data = tuple(name for name in mesh.mesh_dim_names or () if name != "tp")
-    return mesh[data]
 
 
 class Pipeline:
@@ -147,9 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     ours = args.parallel != "hook"  # torch's DDP / FSDP reduce the gradients
     mesh = None
     if args.parallel in REPLICA_MESH:  # a hot spare waits in here until it has a rank
-        replica = REPLICA_MESH[args.parallel]
-        replicas = session.world_size // replica_ranks(args.parallel)
-        mesh = session.device_mesh((replicas, *replica.values()), ("dp_replicate", *replica))
+        mesh = session.device_mesh(*replica_mesh(args.parallel, session.world_size))
     elif args.parallel == "fsdp":
         mesh = session.device_mesh((session.world_size,), ("shard",))
     elif ours:
@@ -169,9 +159,8 @@ def main(argv: list[str] | None = None) -> int:
 
         data_mesh = mesh
         if "tp" in (mesh.mesh_dim_names or ()):
-            data_mesh = split_over_tp(model, mesh)
-            flat = data_mesh._flatten()  # the ranks of one tp group read the same batches
-            data_rank, data_ranks = flat.get_local_rank(), flat.size()
+            data_mesh = tensor_parallel(model, mesh)
+            data_rank, data_ranks = data_coordinate(data_mesh)
         for block in model.blocks:
             fully_shard(block, mesh=data_mesh)
         fully_shard(model, mesh=data_mesh)
