@@ -122,11 +122,15 @@ def test_demo_kill_recovers_bitwise_equal(
     assert code == 0
 
 
-def test_demo_fsdp_kill_falls_back_to_the_checkpoint_bitwise_equal(tmp_path: Path) -> None:
-    """`--parallel fsdp`: one shard per rank, no replica, so the lost rank's state comes from
-    the latest complete checkpoint; the survivor keeps its process and the job ends bitwise
-    equal to a fault-free run, having lost exactly the steps the fallback rolled back."""
-    summary, context, code = run_kill_demo(tmp_path, "fsdp", 2, "1@6")
+@pytest.mark.parametrize("parallel", ["fsdp", "tp"])
+def test_demo_with_no_replica_a_kill_falls_back_to_the_checkpoint_bitwise_equal(
+    tmp_path: Path, parallel: str
+) -> None:
+    """`--parallel fsdp` (FSDP2 over both ranks) and `tp` (tensor parallel over both): one
+    shard per rank, no replica, so the lost rank's state comes from the latest complete
+    checkpoint; the survivor keeps its process and the job ends bitwise equal to a fault-free
+    run, having lost exactly the steps the fallback rolled back."""
+    summary, context, code = run_kill_demo(tmp_path, parallel, 2, "1@6")
     assert summary["ok"] is True, context
     assert summary["verify"]["bitwise_equal"] is True, context
     assert summary["survivor_pids_unchanged"] is True, context

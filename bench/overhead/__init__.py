@@ -18,7 +18,10 @@ Sides (bench/overhead/rank.py runs every one of them through the same step loop)
 - ``tp-hsdp``: tensor parallel beside FSDP2 on a (ranks / 2) x 1 x 2 ("dp_replicate",
   "dp_shard", "tp") mesh, the feed-forward layers split over "tp" (the demo's plan; the MLP's
   linear layers in pairs): the baseline;
-- ``hook-tp-hsdp``: the same over the session's stable mesh, under ``flashrecovery run``.
+- ``hook-tp-hsdp``: the same over the session's stable mesh, under ``flashrecovery run``;
+- ``pp``: two pipeline stages (GPipe over 2 microbatches), each in torch DDP over its
+  (ranks / 2) replicas (the demo's split; the MLP's layers in halves): the baseline;
+- ``hook-pp``: the same over the session's stable mesh, the schedule registered.
 
 A hook side pays everything the hook adds: the vote on the store, the StepCompleted record, the
 heartbeat and decisions threads, and the agent (with its engine) on the same cores. Beside wall

@@ -36,22 +36,25 @@ from torch.distributed.tensor.parallel import (
 from torch.nn.parallel import DistributedDataParallel
 
 from bench.overhead.turns import Gate, Gates
-from flashrecovery.demo.data import BLOCK_SIZE, batch_for, vocabulary
+from flashrecovery.demo.data import BATCH_SIZE, BLOCK_SIZE, batch_for, vocabulary
 from flashrecovery.demo.job import replica_mesh
 from flashrecovery.demo.model import (
     GPTConfig,
     TinyGPT,
     data_coordinate,
     lm_loss,
+    pipeline_stages,
     tensor_parallel,
 )
+from flashrecovery.demo.pipeline import MICROBATCHES, Pipeline
 from flashrecovery.trainer_hooks import Session, ddp, init, stable_group
 from flashrecovery.trainer_hooks.final_state import parameters_sha256
 
 MODELS = ("gpt", "mlp")
-# Who reduces the gradients: the hook, torch DDP, FSDP2 (HSDP), FSDP2 beside tensor parallel.
-PARALLEL = ("hook", "ddp", "hsdp", "tp-hsdp")
-SHARDED = ("hsdp", "tp-hsdp")  # on a mesh of the demo's layouts (flashrecovery/demo/job.py)
+# Who reduces the gradients: the hook, torch DDP, FSDP2 (HSDP), FSDP2 beside tensor parallel,
+# torch DDP over the replicas of each of two pipeline stages.
+PARALLEL = ("hook", "ddp", "hsdp", "tp-hsdp", "pp")
+SHARDED = ("hsdp", "tp-hsdp", "pp")  # on a mesh of the demo's layouts (flashrecovery/demo/job.py)
 MLP_WIDTH, MLP_LAYERS, MLP_BATCH = 1024, 4, 32  # 4.2 M parameters
 LEARNING_RATE = 1e-3
 STORE_TIMEOUT = timedelta(seconds=60)
@@ -105,14 +108,34 @@ def loss_of(name: str, output: torch.Tensor, target: torch.Tensor) -> torch.Tens
     return lm_loss(output, target) if name == "gpt" else F.mse_loss(output, target)
 
 
+@dataclass
+class Wrapped:
+    """A model as a side trains it: what its step runs (a pipeline's schedule, or ``forward``)
+    and whose batches this rank reads (its data-parallel coordinate, and their number)."""
+
+    forward: torch.nn.Module
+    data_rank: int
+    data_world: int
+    pipe: Pipeline | None = None
+
+
 def wrap(
-    model: torch.nn.Module, parallel: str, mesh: DeviceMesh | None, rank: int, world: int
-) -> tuple[torch.nn.Module, int, int]:
+    name: str,
+    model: torch.nn.Module,
+    parallel: str,
+    mesh: DeviceMesh | None,
+    rank: int,
+    world: int,
+) -> Wrapped:
     """DDP, or FSDP2 on the mesh (each block, then the whole; tp-hsdp: the feed-forward layers
-    split over "tp" first), or the model as it is; and whose batches this rank reads (its
-    data-parallel coordinate, and their number)."""
+    split over "tp" first), or two pipeline stages in DDP over their replicas (pp), or the
+    model as it is."""
     if parallel == "ddp":
-        return DistributedDataParallel(model), rank, world
+        return Wrapped(DistributedDataParallel(model), rank, world)
+    if parallel == "pp":
+        assert mesh is not None
+        pipe = Pipeline(*_stages(name, model), lambda y, t: loss_of(name, y, t), mesh)
+        return Wrapped(pipe.module, pipe.replica, mesh.size(0), pipe)
     if parallel in SHARDED:
         assert mesh is not None
         if parallel == "tp-hsdp":
@@ -125,7 +148,21 @@ def wrap(
             if any(p.requires_grad for p in block.parameters()):
                 fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-    return model, rank, world
+    return Wrapped(model, rank, world)
+
+
+def _stages(name: str, model: torch.nn.Module) -> tuple[list[torch.nn.Module], torch.Tensor]:
+    """The model in two pipeline stages, and a microbatch of the first one's input."""
+    if isinstance(model, TinyGPT):
+        rows = BATCH_SIZE // MICROBATCHES
+        return list(pipeline_stages(model)), torch.zeros(rows, BLOCK_SIZE, dtype=torch.long)
+    layers = list(model.children())
+    half = len(layers) // 2
+    stages: list[torch.nn.Module] = [
+        torch.nn.Sequential(*layers[:half]),
+        torch.nn.Sequential(*layers[half:]),
+    ]
+    return stages, torch.zeros(MLP_BATCH // MICROBATCHES, MLP_WIDTH)
 
 
 def _mlp_tp(model: torch.nn.Module, mesh: DeviceMesh) -> DeviceMesh:
@@ -155,12 +192,13 @@ def train(
     ``register()`` settles them. ``gate``: the rank waits for its job's turn at the gate steps
     (turns.py), the wait counted in no step."""
     model, batch = model_and_data(name)
-    forward, data_rank, data_world = wrap(model, parallel, mesh, rank, world)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+    wrapped = wrap(name, model, parallel, mesh, rank, world)
+    forward, pipe = wrapped.forward, wrapped.pipe
+    optimizer = torch.optim.AdamW(forward.parameters(), lr=LEARNING_RATE)
     times = StepTimes(rank)
     step_range: Iterable[int] = range(steps)
     if session is not None:
-        session.register(forward, optimizer)
+        session.register(forward, optimizer, schedule=None if pipe is None else pipe.schedule)
         step_range = session.steps(steps)
     elif stable:
         ddp.settle_buckets(forward)
@@ -169,10 +207,13 @@ def train(
         if gate is not None and gate.passes(step):
             last, last_cpu = time.perf_counter(), time.process_time()
         optimizer.zero_grad(set_to_none=True)
-        x, y = batch(step, data_rank, data_world)
-        loss = loss_of(name, forward(x), y)
-        loss.backward()
-        value = loss.item()
+        x, y = batch(step, wrapped.data_rank, wrapped.data_world)
+        if pipe is None:
+            loss = loss_of(name, forward(x), y)
+            loss.backward()
+            value = loss.item()
+        else:
+            value = pipe.step(x, y)
         computed = time.perf_counter()
         committed = session is None or session.commit(loss=value)
         voted = time.perf_counter()
@@ -188,7 +229,8 @@ def train(
             times.cpu.append(cpu - last_cpu)
             times.ended.append(time.time())
         last, last_cpu = now, cpu
-    times.params_sha256 = parameters_sha256(model)  # sharded: gathered, a collective
+    # Sharded: gathered, a collective; pipelined: every stage's.
+    times.params_sha256 = parameters_sha256(model) if pipe is None else pipe.digest()
     return times
 
 

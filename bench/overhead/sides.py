@@ -51,6 +51,8 @@ SIDES = {
     "hook-hsdp": Side("hsdp", hook=True, baseline="hsdp"),
     "tp-hsdp": Side("tp-hsdp", hook=False),
     "hook-tp-hsdp": Side("tp-hsdp", hook=True, baseline="tp-hsdp"),
+    "pp": Side("pp", hook=False),
+    "hook-pp": Side("pp", hook=True, baseline="pp"),
 }
 
 
@@ -60,7 +62,7 @@ def hook_job(
     """The job under ``flashrecovery run`` (started on entering it)."""
     spec = replace(
         job_spec(out.name, out.parent, nproc=world, spares=0, steps=steps),
-        parallel=side.parallel,  # hsdp, tp-hsdp: the job gets --shards
+        parallel=side.parallel,  # hsdp, tp-hsdp, pp: the job gets --shards
         agent_args=() if side.verify_every is None else ("--verify-every", str(side.verify_every)),
         script=RANK_SCRIPT,
         script_args=(

@@ -31,7 +31,8 @@ from rich.text import Text
 from flashrecovery import terminal
 from flashrecovery.connectors import open_log
 from flashrecovery.demo.job import (
-    FSDP_CHECKPOINT_EVERY,
+    NO_REPLICA,
+    NO_REPLICA_CHECKPOINT_EVERY,
     PARALLEL,
     REPLICA_MESH,
     JobSpec,
@@ -112,10 +113,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=PARALLEL,
         default="hook",
         help="who reduces the gradients: the hook (default), torch DDP on the stable group, "
-        "FSDP2 HSDP on a (nproc/2, 2) mesh, FSDP2 over all ranks (fsdp: no replica, a "
-        f"checkpoint every {FSDP_CHECKPOINT_EVERY} steps to fall back to), or FSDP2 beside "
-        "tensor parallel on a (dp_replicate, dp_shard, tp) mesh: tp-hsdp (nproc/2, 1, 2), "
-        "3d (nproc/4, 2, 2)",
+        "FSDP2 HSDP on a (nproc/2, 2) mesh, FSDP2 beside tensor parallel on a (dp_replicate, "
+        "dp_shard, tp) mesh: tp-hsdp (nproc/2, 1, 2), 3d (nproc/4, 2, 2), two pipeline stages "
+        "with DDP over their replicas (pp: nproc/2 x 2), or with no replica, a checkpoint every "
+        f"{NO_REPLICA_CHECKPOINT_EVERY} steps to fall back to: FSDP2 over all ranks (fsdp) or "
+        "tensor parallel over all ranks (tp)",
     )
     parser.add_argument(
         "--group-rebuild",
@@ -142,8 +144,8 @@ def kill_plan(args: argparse.Namespace) -> list[Kill]:
             )
     if args.nodes < 1 or args.nproc % args.nodes:
         raise ValueError(f"--nodes {args.nodes}: --nproc {args.nproc} must split evenly")
-    # pure FSDP falls back to a checkpoint: a kill comes after the first one
-    first = FSDP_CHECKPOINT_EVERY if args.parallel == "fsdp" else 1
+    # no replica: a lost rank falls back to a checkpoint, so a kill comes after the first one
+    first = NO_REPLICA_CHECKPOINT_EVERY if args.parallel in NO_REPLICA else 1
     if not args.kill and not args.kill_node:
         rng = random.Random(args.seed)
         step = rng.randint(max(first, args.steps // 4), max(first, 3 * args.steps // 4))
@@ -157,8 +159,9 @@ def kill_plan(args: argparse.Namespace) -> list[Kill]:
             )
         if kill.step < first:
             raise ValueError(
-                f"--kill {kill.rank}@{kill.step}: --parallel fsdp has no replica and falls back "
-                f"to its first checkpoint after step {first - 1}: kill at step {first} or later"
+                f"--kill {kill.rank}@{kill.step}: --parallel {args.parallel} has no replica and "
+                f"falls back to its first checkpoint after step {first - 1}: kill at step "
+                f"{first} or later"
             )
     nodes = [Kill.parse_node(spec) for spec in args.kill_node]
     for kill in nodes:
@@ -261,7 +264,7 @@ def _run(
     kills: list[Kill],
     testbed: Testbed | None,
 ) -> int:
-    checkpoint_every = FSDP_CHECKPOINT_EVERY if args.parallel == "fsdp" else 0
+    checkpoint_every = NO_REPLICA_CHECKPOINT_EVERY if args.parallel in NO_REPLICA else 0
     spec = JobSpec(
         job_id=f"demo-{stamp}-seed{args.seed}",
         log_url=log_url,

@@ -35,9 +35,9 @@ if TYPE_CHECKING:  # the agent package imports torch: only a job of several node
 TRAIN_SCRIPT = Path(__file__).resolve().with_name("train.py")  # by path: no torch import here
 STOP_GRACE_S = 5.0
 # Who reduces the gradients (train.py --parallel): the hook, torch DDP, FSDP2 (over replicas x
-# shards, or over all ranks), FSDP2 beside tensor parallel (torchtitan's mesh), or torch DDP
-# over the replicas of each pipeline stage.
-PARALLEL = ("hook", "ddp", "hsdp", "fsdp", "tp-hsdp", "3d", "pp")
+# shards, or over all ranks), FSDP2 beside tensor parallel (torchtitan's mesh), tensor parallel
+# alone over all ranks, or torch DDP over the replicas of each pipeline stage.
+PARALLEL = ("hook", "ddp", "hsdp", "fsdp", "tp-hsdp", "3d", "tp", "pp")
 # The layouts with replicas of a sharded state: the mesh of one replica (the mesh's dimensions
 # after the first, "dp_replicate"), whose ranks each hold distinct state (run --shards).
 REPLICA_MESH = {
@@ -46,9 +46,11 @@ REPLICA_MESH = {
     "3d": {"dp_shard": 2, "tp": 2},
     "pp": {"pp": 2},
 }
-# --parallel fsdp: one shard per rank, no replica, so a lost rank is restored from the latest
-# checkpoint, saved every this many steps.
-FSDP_CHECKPOINT_EVERY = 4
+# The layouts with one replica, every rank a shard of it (fsdp: FSDP2 over all ranks; tp: tensor
+# parallel over all ranks): a lost rank is restored from the latest checkpoint, saved every
+# NO_REPLICA_CHECKPOINT_EVERY steps.
+NO_REPLICA = ("fsdp", "tp")
+NO_REPLICA_CHECKPOINT_EVERY = 4
 
 
 def replica_ranks(parallel: str) -> int:
@@ -111,7 +113,7 @@ class JobSpec:
 
     def run_options(self) -> list[str]:
         """The `flashrecovery run` options every agent of the job gets."""
-        shards = {"fsdp": ["--shards", str(self.nproc)]} | {
+        shards = {parallel: ["--shards", str(self.nproc)] for parallel in NO_REPLICA} | {
             parallel: ["--shards", str(replica_ranks(parallel))] for parallel in REPLICA_MESH
         }
         checkpoints = (

@@ -6,14 +6,14 @@ parameters' digest, the losses and the step times in ``<run-dir>/rank<k>.json``.
 ``--parallel ddp`` the model is wrapped in torch DDP over the session's stable process group
 (``hsdp``: sharded with FSDP2 over a replicas x shards mesh; ``fsdp``: over all ranks, no
 replica, checkpoints on; ``tp-hsdp`` and ``3d``: each block's feed-forward layers split over the
-mesh's "tp" dimension, FSDP2 over the others; ``pp``: two pipeline stages, each in DDP over its
-replicas), which reduces the gradients, and the script steps its optimizer on a committed step.
+mesh's "tp" dimension, FSDP2 over the others; ``tp``: split over all ranks, no replica,
+checkpoints on; ``pp``: two pipeline stages, each in DDP over its replicas), which reduces the
+gradients, and the script steps its optimizer on a committed step.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import sys
 import time
@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LambdaLR
 
@@ -35,12 +34,13 @@ from flashrecovery.demo.model import (
     pipeline_stages,
     tensor_parallel,
 )
+from flashrecovery.demo.pipeline import MICROBATCHES, Pipeline
 from flashrecovery.demo.results import RankResult
 from flashrecovery.trainer_hooks import init
 from flashrecovery.trainer_hooks.final_state import parameters_sha256
 
 if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
+    pass
 
 LEARNING_RATE = 1e-3
 WARMUP_STEPS = 10  # linear learning-rate warm-up
@@ -67,57 +67,6 @@ def optimizer_for(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, Lambda
     return optimizer, LambdaLR(optimizer, _warmup_factor)
 
 
-class Pipeline:
-    """The model as two pipeline stages (``torch.distributed.pipelining``, GPipe over 2
-    microbatches) on a ("dp_replicate", "pp") mesh: rank r runs stage r % 2, in torch DDP over
-    the replicas of its stage. Each stage's shapes are given, and the schedule is handed to
-    ``register`` (docs/hook.md, "Pipeline parallel")."""
-
-    MICROBATCHES = 2
-
-    def __init__(self, model: TinyGPT, mesh: DeviceMesh) -> None:
-        from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
-
-        self.group, self.index = mesh.get_group("pp"), mesh.get_local_rank("pp")
-        self.replica = mesh.get_local_rank("dp_replicate")
-        stages = pipeline_stages(model)
-        part = stages[self.index]
-        example = torch.zeros(BATCH_SIZE // self.MICROBATCHES, BLOCK_SIZE, dtype=torch.long)
-        for before in stages[: self.index]:
-            example = before(example)
-        self.module = DistributedDataParallel(part, process_group=mesh.get_group("dp_replicate"))
-        stage = PipelineStage(
-            self.module,
-            self.index,
-            len(stages),
-            torch.device("cpu"),
-            input_args=example,
-            output_args=part(example),
-            group=self.group,
-        )
-        self.last_index = len(stages) - 1
-        self.last = self.index == self.last_index
-        self.schedule = ScheduleGPipe(stage, self.MICROBATCHES, loss_fn=lm_loss)
-
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """One step's forward and backward over every stage; the loss (the last stage's, sent
-        to the others)."""
-        losses: list[torch.Tensor] = []
-        if self.last:
-            self.schedule.step(target=y, losses=losses)
-        else:
-            self.schedule.step(x)
-        loss = torch.stack(losses).mean().detach() if losses else torch.zeros(())
-        dist.broadcast(loss, group=self.group, group_src=self.last_index)
-        return loss.item()
-
-    def digest(self) -> str:
-        """The whole model's digest: every stage's, in stage order (a collective)."""
-        stages: list[str | None] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(stages, parameters_sha256(self.module.module), group=self.group)
-        return hashlib.sha256("".join(str(s) for s in stages).encode()).hexdigest()
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, required=True)
@@ -142,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         mesh = session.device_mesh(*replica_mesh(args.parallel, session.world_size))
     elif args.parallel == "fsdp":
         mesh = session.device_mesh((session.world_size,), ("shard",))
+    elif args.parallel == "tp":
+        mesh = session.device_mesh((1, 1, session.world_size), ("dp_replicate", "dp_shard", "tp"))
     elif ours:
         session.process_group()
     model, optimizer, schedule = build(args.seed)
@@ -149,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     data_rank, data_ranks = session.rank, session.world_size  # whose batches this rank reads
     pipe = None
     if mesh is not None and "pp" in (mesh.mesh_dim_names or ()):
-        pipe = Pipeline(model, mesh)
+        example = torch.zeros(BATCH_SIZE // MICROBATCHES, BLOCK_SIZE, dtype=torch.long)
+        pipe = Pipeline(pipeline_stages(model), example, lm_loss, mesh)
         forward, data_rank, data_ranks = pipe.module, pipe.replica, mesh.size(0)
         optimizer, schedule = optimizer_for(forward)
     elif mesh is not None:
@@ -161,9 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         if "tp" in (mesh.mesh_dim_names or ()):
             data_mesh = tensor_parallel(model, mesh)
             data_rank, data_ranks = data_coordinate(data_mesh)
-        for block in model.blocks:
-            fully_shard(block, mesh=data_mesh)
-        fully_shard(model, mesh=data_mesh)
+        if data_mesh.size() > 1:  # tensor parallel alone: nothing to shard over
+            for block in model.blocks:
+                fully_shard(block, mesh=data_mesh)
+            fully_shard(model, mesh=data_mesh)
         optimizer, schedule = optimizer_for(model)
     elif ours:
         forward = DistributedDataParallel(model)
