@@ -97,12 +97,14 @@ def main(argv: list[str] | None = None) -> int:
         session.process_group()
     model, optimizer, schedule = build(args.seed)
     forward: torch.nn.Module = model
-    data_rank, data_ranks = session.rank, session.world_size  # whose batches this rank reads
+    # Whose batches this rank reads, where its tp or pp peers read the same (else its rank's:
+    # read in the loop, as a hot spare in the hook's own loop has no rank before it).
+    data: tuple[int, int] | None = None
     pipe = None
     if mesh is not None and "pp" in (mesh.mesh_dim_names or ()):
         example = torch.zeros(BATCH_SIZE // MICROBATCHES, BLOCK_SIZE, dtype=torch.long)
         pipe = Pipeline(pipeline_stages(model), example, lm_loss, mesh)
-        forward, data_rank, data_ranks = pipe.module, pipe.replica, mesh.size(0)
+        forward, data = pipe.module, (pipe.replica, mesh.size(0))
         optimizer, schedule = optimizer_for(forward)
     elif mesh is not None:
         # Here, not at the top: FSDP2's import costs a rank half a second of CPU at start,
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         data_mesh = mesh
         if "tp" in (mesh.mesh_dim_names or ()):
             data_mesh = tensor_parallel(model, mesh)
-            data_rank, data_ranks = data_coordinate(data_mesh)
+            data = data_coordinate(data_mesh)
         if data_mesh.size() > 1:  # tensor parallel alone: nothing to shard over
             for block in model.blocks:
                 fully_shard(block, mesh=data_mesh)
@@ -139,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         for step in session.steps(args.steps):
             started = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
-            x, y = batch_for(step, data_rank, data_ranks)
+            x, y = batch_for(step, *(data or (session.rank, session.world_size)))
             if pipe is None:
                 loss = lm_loss(forward(x), y)
                 loss.backward()
