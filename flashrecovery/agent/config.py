@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import ipaddress
 import os
 import re
@@ -237,8 +238,10 @@ class AgentConfig:
         name = str(self.script)
         if self.run_as is RunAs.MODULE:
             top = name.partition(".")[0]
-            where = [os.getcwd(), *sys.path]
-            if not top.isidentifier() or PathFinder.find_spec(top, where) is None:
+            # Here (as `python -m` puts the working directory first) or wherever this
+            # interpreter finds it (an editable install's finder is not on sys.path).
+            here = top.isidentifier() and PathFinder.find_spec(top, [os.getcwd()]) is not None
+            if not top.isidentifier() or not (here or importlib.util.find_spec(top) is not None):
                 raise ConfigError(f"-m {name}: no module {top!r} here or on sys.path")
             return
         if not self.script.is_file():

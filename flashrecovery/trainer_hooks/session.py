@@ -151,6 +151,14 @@ class Session:
         return self._env.role is Role.SPARE
 
     @property
+    def collective_failed(self) -> str | None:
+        """Why a collective of this step failed (a peer was lost), if one did. An error the
+        step's own computation raises after that is its consequence (torchtitan's selective
+        activation checkpointing, recomputing, meets other operations than its forward saw):
+        ``commit()`` then aborts the step as it would have anyway."""
+        return self._member.stable.error()
+
+    @property
     def committed_step(self) -> int:
         return self._state.committed_step
 
@@ -240,6 +248,18 @@ class Session:
             self._member.stable.device, shape, mesh_dim_names=names
         )
         return self._member.mesh
+
+    def use_device_mesh(self, mesh: DeviceMesh) -> None:
+        """A mesh a framework built itself over ``process_group()`` (torchtitan's world mesh,
+        which it unflattens into its own), in place of ``device_mesh()``: the model's DTensors
+        may lie on meshes made from it. Its ranks are the session's, in their order, so a
+        replica is still --shards ranks in a row."""
+        if mesh.size() != self.world_size or mesh.ndim != 1:
+            raise ConfigError(
+                f"a mesh of shape {tuple(mesh.shape)} is not the job's world of "
+                f"{self.world_size} ranks in a row"
+            )
+        self._member.mesh = mesh
 
     def steps(self, total: int) -> Iterator[int]:
         """Yield the steps to compute, 0..total-1; after a recovery, the step after the one

@@ -22,7 +22,7 @@ shard and placements; a replica of the same shard holds the same local shapes.
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -139,15 +139,35 @@ def _fits(tensor: Any, ref: _TensorRef) -> bool:
     )
 
 
+_MeshOf = Callable[[tuple[str, ...] | None], DeviceMesh]
+
+
+def _mesh_of(own: Iterable[Any], mesh: DeviceMesh | None) -> _MeshOf:
+    """Where a DTensor of the given mesh dimensions is rebuilt: on the very mesh the
+    recipient's own DTensors of those dimensions lie on (a framework's sub-mesh, torchtitan's:
+    the moment then meets its parameter on one mesh), else on that part of ``mesh``."""
+    known = {t.device_mesh.mesh_dim_names: t.device_mesh for t in own if is_dtensor(t)}
+
+    def of(dims: tuple[str, ...] | None) -> DeviceMesh:
+        if dims in known:
+            return known[dims]
+        if mesh is None:
+            raise ProtocolError("the donor sent DTensors, this rank has no device mesh")
+        return mesh if dims is None or dims == mesh.mesh_dim_names else mesh[dims]
+
+    return of
+
+
 def _unpack(
     skeleton: Any,
     own: dict[Path, torch.Tensor],
     into: dict[int, torch.Tensor],
-    mesh: DeviceMesh | None,
+    mesh: _MeshOf,
     path: Path = (),
 ) -> Any:
     """The structure again, each reference replaced by the tensor its bytes will land in: the
-    recipient's own tensor at that path if it fits, else a new one (collected in ``into``)."""
+    recipient's own tensor at that path if it fits, else a new one (collected in ``into``), a
+    DTensor on ``mesh(its dimension names)``."""
     if isinstance(skeleton, _DTensorRef):
         mine = own.get(path)
         if (
@@ -157,15 +177,12 @@ def _unpack(
         ):
             into[skeleton.local.index] = mine.to_local()
             return mine
-        if mesh is None:
-            raise ProtocolError("the donor sent DTensors, this rank has no device mesh")
         from torch.distributed.tensor import DTensor  # a sharded job's: imported by FSDP2
 
         local = _unpack(skeleton.local, {}, into, mesh, path)
-        dims = skeleton.dims
         return DTensor.from_local(
             local,
-            mesh if dims is None or dims == mesh.mesh_dim_names else mesh[dims],
+            mesh(skeleton.dims),
             skeleton.placements,
             run_check=False,
             shape=torch.Size(skeleton.shape),
@@ -277,7 +294,9 @@ def recv(
 ) -> Received:
     """Receive a state striped across ``donors`` (the lead first). Each tensor lands in place
     in the tensor at the same path of ``like`` (the recipient's own replicated state) where
-    dtype and shape match; DTensors are rebuilt on ``mesh``. ``RestoreMismatch`` if what
+    dtype and shape match; a DTensor it does not hold (an optimizer moment a replacement has
+    not made yet) is rebuilt where its own DTensors of the same mesh dimensions lie, else on
+    that part of ``mesh``. ``RestoreMismatch`` if what
     arrived is not what the lead donor holds."""
     headers = [torch.empty(2, dtype=torch.int64) for _ in donors]
     for work in [group.recv([h], d, _HEADER) for h, d in zip(headers, donors, strict=True)]:
@@ -290,7 +309,8 @@ def recv(
     # Sent by a replica of this job.
     skeleton, own, sums = pickle.loads(structure.numpy().tobytes())
     into: dict[int, torch.Tensor] = {}
-    replicated = _unpack(skeleton, dict(leaves(like)), into, mesh)
+    mine = dict(leaves(like))
+    replicated = _unpack(skeleton, mine, into, _mesh_of(mine.values(), mesh))
     data = [_flat_bytes(into[i]) for i in range(len(into))]
     sizes = [d.numel() for d in data]
     if sum(sizes) != total:
