@@ -7,6 +7,7 @@ when the log shows it committed a given step; then it checks that no process of 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -58,6 +59,12 @@ class JobResult:
     def final(self, rank: int) -> dict[str, Any]:
         """What the rank's last process wrote: its parameters and its pid."""
         saved: dict[str, Any] = torch.load(self.out / f"rank{rank}.pt")
+        return saved
+
+    def final_state(self, rank: int) -> dict[str, Any]:
+        """What the rank's last process left under --final-state (a job without the harness's
+        --out): its parameters' digest and its pid."""
+        saved: dict[str, Any] = json.loads((self.out / f"rank{rank}.json").read_text())
         return saved
 
     def pids(self) -> set[int]:
@@ -156,13 +163,14 @@ def run_job(
     straggler_policy: StragglerPolicy = StragglerPolicy.REPORT,
     straggler_steps: int = 20,
     store_secret: str | None = None,  # the job's (else the agent makes one)
+    harness: bool = True,  # the script takes --out and --step-time; else --final-state only
 ) -> JobResult:
     """Run the training script on ``nproc`` ranks; ``kill_at`` maps rank -> the step after whose
     commit (as the log shows it) the rank's process is SIGKILLed from outside; ``scenario``
     steps run in order as the events arrive."""
     out = tmp_path / "out"
     out.mkdir(parents=True)
-    args = ["--out", str(out), "--step-time", str(step_time_s)]
+    args = ["--out", str(out), "--step-time", str(step_time_s)] if harness else []
     if script == SCRIPT:  # an example script has its own length (STEPS steps too)
         args += ["--steps", str(STEPS)]
     agent = Agent(
@@ -192,6 +200,7 @@ def run_job(
             straggler_policy=straggler_policy,
             straggler_steps=straggler_steps,
             store_secret=ENGINE_SECRET if external_engine and not store_secret else store_secret,
+            final_state_dir=None if harness else out,
         )
     )
     result: dict[str, int] = {}
