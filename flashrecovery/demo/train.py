@@ -18,7 +18,6 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -38,9 +37,6 @@ from flashrecovery.demo.pipeline import MICROBATCHES, Pipeline
 from flashrecovery.demo.results import RankResult
 from flashrecovery.trainer_hooks import init
 from flashrecovery.trainer_hooks.final_state import parameters_sha256
-
-if TYPE_CHECKING:
-    pass
 
 LEARNING_RATE = 1e-3
 WARMUP_STEPS = 10  # linear learning-rate warm-up
