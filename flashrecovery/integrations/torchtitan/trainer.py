@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
@@ -153,9 +154,9 @@ class FlashRecoveryTrainer(Trainer):
 
 class _AsItLies(torch.nn.Module):
     """The model as flashrecovery moves and checkpoints it: its parameters and buffers as they
-    lie on this rank, by name. torchtitan's own state dict is its save format (a fused qkv
-    split into q, k and v, gathered whole first: a collective of its tp and dp_shard peers,
-    which a donor and its recipient cannot hold alone)."""
+    lie on this rank (FSDP2's sharded), by name. torchtitan's own state dict is its save
+    format (a fused qkv split into q, k and v, gathered whole first: a collective of its tp and
+    dp_shard peers, which a donor and its recipient cannot hold alone)."""
 
     model: torch.nn.Module
 
@@ -170,6 +171,11 @@ class _AsItLies(torch.nn.Module):
         return self.model.parameters(recurse)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        # As FSDP2's own state dict does, its parameters as they rest, sharded: a step cut
+        # short may have left some gathered whole (a local change, no collective).
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
         tensors = itertools.chain(self.model.named_parameters(), self.model.named_buffers())
         return {name: tensor.detach() for name, tensor in tensors}
 
