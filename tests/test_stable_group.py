@@ -343,3 +343,25 @@ def test_the_secret_is_read_from_the_pipe_the_agent_hands_a_new_interpreter() ->
         os.fstat(read_end)
     with pytest.raises(LaunchError, match="FLASHRECOVERY_STORE_PREFIX is not set"):
         LaunchEnv.from_environ(launch)
+
+
+def test_a_failed_collectives_stand_in_outputs_are_unseen_by_dispatch_modes() -> None:
+    """After a failure a gather's outputs are filled locally: operations that stand in for the
+    collective, which selective activation checkpointing (a dispatch mode recording the
+    forward's operations to meet the backward's with) must not see, or the backward fails."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[object] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    output, tensor = torch.empty(6), torch.arange(3.0)
+    with Recorder() as recorder:
+        stable_group._local_outputs("_allgather_base", [output, tensor], 2)
+    assert recorder.ops == []
+    assert torch.equal(output, tensor.repeat(2))

@@ -77,24 +77,3 @@ def test_dense_attention_equals_flex_attention_under_a_document_mask() -> None:
             return_aux=AuxRequest(),
             kernel_options={},
         )
-
-
-def test_a_model_left_gathered_by_a_cut_step_is_moved_sharded() -> None:
-    """FSDP2 registers a module's gathered parameters during its forward and backward: a step
-    cut short by a peer's loss may leave them so. What a donor sends is the sharded ones."""
-    import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor
-
-    from flashrecovery.integrations.torchtitan.trainer import _AsItLies
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        model = fully_shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)))
-        model.unshard()  # as in the middle of a step
-        assert not any(isinstance(p, DTensor) for p in model.parameters())
-        state = _AsItLies(model).state_dict()
-        assert all(isinstance(t, DTensor) for t in state.values()), state
-        _AsItLies(model).load_state_dict(state)  # onto itself
-    finally:
-        dist.destroy_process_group()

@@ -151,14 +151,6 @@ class Session:
         return self._env.role is Role.SPARE
 
     @property
-    def collective_failed(self) -> str | None:
-        """Why a collective of this step failed (a peer was lost), if one did. An error the
-        step's own computation raises after that is its consequence (torchtitan's selective
-        activation checkpointing, recomputing, meets other operations than its forward saw):
-        ``commit()`` then aborts the step as it would have anyway."""
-        return self._member.stable.error()
-
-    @property
     def committed_step(self) -> int:
         return self._state.committed_step
 

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as C10dBackend
 from torch._C._distributed_c10d import ReconfigureOptions
+from torch.utils._python_dispatch import _disable_current_modes
 
 from flashrecovery.errors import LostAfterTraining, Superseded
 from flashrecovery.trainer_hooks import groups, inflight
@@ -74,16 +75,21 @@ def _outputs(args: Sequence[Any]) -> list[Any]:
 
 
 def _local_outputs(op: str, args: Sequence[Any], size: int) -> list[Any]:
-    """Fill the outputs of ``op`` as if every peer held this rank's tensors."""
-    if op in _GATHER_LISTS:
-        for outputs, tensor in zip(args[0], args[1], strict=True):
-            for output in outputs:
-                output.copy_(tensor)
-    elif op in _GATHER_FLAT:
-        _gather_flat(args[0], args[1], size)
-    elif op in _GATHER_FLAT_COALESCED:
-        for output, tensor in zip(args[0], args[1], strict=True):
-            _gather_flat(output, tensor, size)
+    """Fill the outputs of ``op`` as if every peer held this rank's tensors, unseen by the
+    dispatch modes the caller runs under: these operations stand in for a collective, not for
+    the model's computation (selective activation checkpointing records the forward's
+    operations and meets the backward's recomputation with them: one it did not record
+    fails the backward)."""
+    with _disable_current_modes():
+        if op in _GATHER_LISTS:
+            for outputs, tensor in zip(args[0], args[1], strict=True):
+                for output in outputs:
+                    output.copy_(tensor)
+        elif op in _GATHER_FLAT:
+            _gather_flat(args[0], args[1], size)
+        elif op in _GATHER_FLAT_COALESCED:
+            for output, tensor in zip(args[0], args[1], strict=True):
+                _gather_flat(output, tensor, size)
     return _outputs(args)
 
 

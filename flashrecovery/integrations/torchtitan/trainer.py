@@ -9,7 +9,6 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
@@ -81,12 +80,7 @@ class FlashRecoveryTrainer(Trainer):
                 metrics.data_loading_times.append(time.perf_counter() - waited_from)
                 self.step = session.committed_step + 2  # torchtitan counts its steps from 1
                 self.gc_handler.run(self.step)
-                try:
-                    losses, grad_norm = self._compute(input_dict, labels)
-                except Exception:
-                    if session.collective_failed is None:
-                        raise
-                    losses = (None, None)  # a peer was lost mid-step: it aborts
+                losses, grad_norm = self._compute(input_dict, labels)
                 if session.commit(loss=losses[0]):
                     optimizers.step()
                     schedulers.step()
@@ -154,9 +148,10 @@ class FlashRecoveryTrainer(Trainer):
 
 class _AsItLies(torch.nn.Module):
     """The model as flashrecovery moves and checkpoints it: its parameters and buffers as they
-    lie on this rank (FSDP2's sharded), by name. torchtitan's own state dict is its save
-    format (a fused qkv split into q, k and v, gathered whole first: a collective of its tp and
-    dp_shard peers, which a donor and its recipient cannot hold alone)."""
+    lie on this rank (FSDP2's sharded: a step, cut short or not, ends with them resharded), by
+    name. torchtitan's own state dict is its save format (a fused qkv split into q, k and v,
+    gathered whole first: a collective of its tp and dp_shard peers, which a donor and its
+    recipient cannot hold alone)."""
 
     model: torch.nn.Module
 
@@ -171,11 +166,6 @@ class _AsItLies(torch.nn.Module):
         return self.model.parameters(recurse)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        # As FSDP2's own state dict does, its parameters as they rest, sharded: a step cut
-        # short may have left some gathered whole (a local change, no collective).
-        for module in self.model.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
         tensors = itertools.chain(self.model.named_parameters(), self.model.named_buffers())
         return {name: tensor.detach() for name, tensor in tensors}
 
