@@ -1,12 +1,14 @@
 """flashrecovery for torchtitan: its own Trainer under `flashrecovery run`, each step the
 session's (docs/hook.md, "torchtitan"). Where torchtitan is launched with
 
-    torchrun --nproc-per-node 4 -m torchtitan.train --module llama3 --config llama3_debugmodel
+    torchrun --nproc-per-node 4 -m torchtitan.train --module llama3 --config llama3_debugmodel \\
+        --parallelism.data_parallel_replicate_degree 2 --parallelism.tensor_parallel_degree 2
 
 a job under flashrecovery is
 
-    flashrecovery run --nproc-per-node 4 --shards 1 --spares 1 \\
-        -m flashrecovery.integrations.torchtitan --module llama3 --config llama3_debugmodel
+    flashrecovery run --nproc-per-node 4 --shards 2 --spares 1 \\
+        -m flashrecovery.integrations.torchtitan --module llama3 --config llama3_debugmodel \\
+        --parallelism.data_parallel_replicate_degree 2 --parallelism.tensor_parallel_degree 2
 
 with the same configuration and overrides, not a line of them changed. What it does where
 torchtitan's Trainer does its own (trainer.py):
