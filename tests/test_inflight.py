@@ -203,3 +203,71 @@ def test_a_send_and_its_recv_are_waited_for_once_and_not_bounded_by_the_connect_
         receiver.join(30)
         assert torch.equal(received, torch.full((4,), message))
     assert inflight._left_behind == []
+
+
+def _pair(store: dist.Store, prefix: str) -> tuple[LazyGloo, LazyGloo]:
+    left, right = (
+        LazyGloo(dist.PrefixStore(prefix, store), rank, 2, datetime.timedelta(seconds=5))
+        for rank in (0, 1)
+    )
+    return left, right
+
+
+def _exchange(left: LazyGloo, right: LazyGloo, message: float, tag: int = 0) -> torch.Tensor:
+    """``message`` from left to right, each side waited for through ``inflight.wait``."""
+    received = torch.zeros(4)
+    receiver = threading.Thread(
+        target=lambda: inflight.wait(right.recv([received], 0, tag), right, lambda: False)
+    )
+    receiver.start()
+    inflight.wait(left.send([torch.full((4,), message)], 1, tag), left, lambda: False)
+    receiver.join(30)
+    return received
+
+
+def test_sends_and_recvs_go_on_while_a_recv_is_left_behind() -> None:
+    """The threads that wait for works without a future are kept from one work to the next: one
+    held by a recv left behind (its sender stuck) is not counted on, the next works get
+    another."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    left, right = _pair(store, "behind/")
+    _exchange(left, right, 0.0)  # connected (a pair connects on its first use, from both ends)
+    stuck = right.recv([torch.zeros(4)], 0, 7)
+    planned = threading.Event()
+    threading.Timer(0.2, planned.set).start()
+    with pytest.raises(Superseded):
+        inflight.wait(stuck, right, planned.is_set)
+    for message in (1.0, 2.0, 3.0):
+        assert torch.equal(_exchange(left, right, message), torch.full((4,), message))
+    inflight.release_finished()
+    [(group, ended)] = inflight._left_behind
+    assert group is right and not ended.is_set()
+    left.send([torch.ones(4)], 1, 7).wait()  # the stuck sender comes back
+    assert ended.wait(10)
+    inflight.release_finished()
+    assert inflight._left_behind == []
+
+
+def test_a_forked_child_waits_for_sends_and_recvs() -> None:
+    """A rank is forked from the fork server: it holds none of its parent's threads, so it
+    must not count on the parent's waiting threads (it would wait for ever)."""
+    script = f"""
+import datetime, os, sys, torch, torch.distributed as dist
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from test_inflight import _exchange, _pair
+
+def exchanged(prefix):
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    return torch.equal(_exchange(*_pair(store, prefix), 5.0), torch.full((4,), 5.0))
+
+assert exchanged("parent/")  # the parent's waiting threads are started
+child = os.fork()
+if child == 0:
+    os._exit(0 if exchanged("child/") else 3)
+_, status = os.waitpid(child, 0)
+print("ok" if status == 0 else f"child: {{status}}")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.stdout.strip() == "ok", done.stderr[-2000:]

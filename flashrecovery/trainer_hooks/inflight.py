@@ -20,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
+import os
+import queue
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -166,8 +168,9 @@ def wait(work: dist.Work, group: object, superseded: Callable[[], bool]) -> None
     if work.is_completed():
         work.wait()
         return
-    if not _timed_wait(work):
-        ending = _Ending(work)
+    future = _future_of(work)
+    if future is None or not _on_cpu(work):
+        ending = _Ending(work, future)
         while not ending.ended.wait(POLL_S):
             if superseded():
                 raise _leave_behind(group, ending.ended)
@@ -183,15 +186,23 @@ def wait(work: dist.Work, group: object, superseded: Callable[[], bool]) -> None
                 work.wait()
                 return
             if superseded():
-                raise _leave_behind(group, _Ending(work).ended) from None
+                raise _leave_behind(group, _Ending(work, future).ended) from None
 
 
-def _timed_wait(work: dist.Work) -> bool:
-    """Whether torch's wait with a timeout blocks until the work ends or the timeout raises:
-    a gloo work of CPU tensors, but for a reduce-scatter (no future, its wait ignores the
-    timeout); an NCCL work's wait only orders the CUDA stream behind it, so it is watched."""
+def _future_of(work: dist.Work) -> torch.futures.Future[Any] | None:
+    """``work``'s future; None for gloo's reduce-scatter, send and recv, which have none (and
+    whose wait ignores a timeout, or fails the whole group at it)."""
     try:
-        work.get_future()
+        return work.get_future()
+    except RuntimeError:
+        return None
+
+
+def _on_cpu(work: dist.Work) -> bool:
+    """Whether torch's wait with a timeout blocks until the work ends or the timeout raises:
+    a gloo work of CPU tensors; an NCCL work's wait only orders the CUDA stream behind it, so
+    it is watched."""
+    try:
         outputs = work.result()
     except RuntimeError:
         return False
@@ -201,24 +212,24 @@ def _timed_wait(work: dist.Work) -> bool:
 class _Ending:
     """How ``work`` ended, once it has, well or not (``ended`` set). A work with a future is
     watched through it; one without (gloo's reduce-scatter, send and recv) is waited for by a
-    thread, once: a gloo send or recv counts its completions, so a second wait on it would wait
-    for a message that never comes, and close the pair at its timeout. That thread's wait is
-    bounded by the collective timeout: a send or recv waited for with no bound would be bounded
-    by its group's connect timeout instead (groups.LazyGloo), seconds where a pipeline stage may
-    wait a slow peer's whole forward."""
+    thread of ``_waiters``, once: a gloo send or recv counts its completions, so a second wait
+    on it would wait for a message that never comes, and close the pair at its timeout. That
+    thread's wait is bounded by the collective timeout: a send or recv waited for with no bound
+    would be bounded by its group's connect timeout instead (groups.LazyGloo), seconds where a
+    pipeline stage may wait a slow peer's whole forward."""
 
-    def __init__(self, work: dist.Work) -> None:
+    def __init__(self, work: dist.Work, future: torch.futures.Future[Any] | None) -> None:
         self.ended = threading.Event()
         self._work = work
-        self._waited = False
+        self._waited = future is None
         self._error: RuntimeError | None = None
-        try:
-            work.get_future().add_done_callback(lambda _: self.ended.set())
-        except RuntimeError:
-            self._waited = True
-            threading.Thread(target=self._wait, name="flashrecovery-work", daemon=True).start()
+        if future is None:
+            _waiters.submit(self)
+        else:
+            future.add_done_callback(lambda _: self.ended.set())
 
-    def _wait(self) -> None:
+    def wait(self) -> None:
+        """On a thread of ``_waiters``."""
         try:
             self._work.wait(COLLECTIVE_TIMEOUT)
         except RuntimeError as exc:  # raised by outcome(), in the caller's thread
@@ -231,6 +242,43 @@ class _Ending:
             self._work.wait()
         elif self._error is not None:
             raise self._error
+
+
+class _Waiters:
+    """The threads that wait for works without a future, kept from one work to the next: a
+    thread started per work cost the training thread a quarter of a millisecond per pipeline
+    send or receive (profiled: ``Thread.start`` waits for the new thread to run, on cores the
+    ranks fill), a kept one a put on its queue. A thread stays blocked as long as its work (one
+    left behind, up to the collective timeout), so another is started whenever none is idle.
+    Started on first use, and anew in a forked child (the fork server's ranks), which holds
+    none of its parent's threads."""
+
+    def __init__(self) -> None:
+        self._forked()
+        os.register_at_fork(after_in_child=self._forked)
+
+    def _forked(self) -> None:
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[_Ending] = queue.SimpleQueue()
+        self._idle = 0  # threads blocked on the queue, or about to be
+
+    def submit(self, ending: _Ending) -> None:
+        with self._lock:
+            start = self._idle == 0
+            if not start:
+                self._idle -= 1
+        if start:
+            threading.Thread(target=self._run, name="flashrecovery-work", daemon=True).start()
+        self._queue.put(ending)
+
+    def _run(self) -> None:
+        while True:
+            self._queue.get().wait()
+            with self._lock:
+                self._idle += 1
+
+
+_waiters = _Waiters()
 
 
 def _leave_behind(group: object, ended: threading.Event) -> Superseded:
