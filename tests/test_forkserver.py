@@ -155,10 +155,52 @@ def test_the_supervisor_reports_a_rank_exit_either_way(
     try:
         child = supervisor.spawn_rank(1)
         assert done.wait(60)
+        child.popen.wait(30)  # reported as it ended, maybe before it was reaped
         assert exits == [(1, 0)] and supervisor.all_finished()
         assert json.loads(report.read_text())["pid"] == child.pid
         [output] = (tmp_path / "output").iterdir()
         assert output.name.startswith("rank1-") and "to stderr" in output.read_text()
+    finally:
+        supervisor.teardown()
+
+
+HEAP = "import sys, time\nheap = b'x' * (400 << 20)\nprint('ready', flush=True)\ntime.sleep(60)\n"
+
+
+@pytest.mark.parametrize("method", ["forkserver", "exec"])
+def test_a_sigkilled_rank_is_reported_as_it_dies_not_once_reaped(
+    method: str, tmp_path: Path, server: ForkServer
+) -> None:
+    """The kernel unmaps a dying process's memory before its parent can reap it (tens of
+    milliseconds for a few hundred megabytes): the death watch reports the exit before that,
+    with the signal, once."""
+    exits: list[tuple[int, bool]] = []
+    done = threading.Event()
+
+    def on_exit(child: Child, code: int) -> None:
+        exits.append((code, child.alive))
+        done.set()
+
+    supervisor = Supervisor(
+        [sys.executable, str(script(tmp_path, "heap.py", HEAP))],
+        dict(os.environ),
+        on_exit,
+        tmp_path / "output",
+        nproc_per_node=1,
+        spare_ids=lambda: 0,
+        forks=server if method == "forkserver" else None,
+    )
+    try:
+        child = supervisor.spawn_rank(0)
+        output = tmp_path / "output"
+        deadline = time.monotonic() + 60
+        while "ready" not in "".join(p.read_text() for p in output.iterdir()):
+            assert time.monotonic() < deadline and child.alive
+            time.sleep(0.05)
+        os.kill(child.pid, signal.SIGKILL)
+        assert done.wait(30)
+        child.popen.wait(30)
+        assert exits == [(-signal.SIGKILL, True)]  # reported while still dying, once
     finally:
         supervisor.teardown()
 

@@ -14,6 +14,7 @@ import runpy
 import sys
 from pathlib import Path
 
+from flashrecovery.agent import deathwatch
 from flashrecovery.trainer_hooks import exit_note, own_init_guard
 
 MODULE = "flashrecovery.agent.script_main"
@@ -29,6 +30,7 @@ def wrapped(command: list[str]) -> list[str]:
 
 def run(argv: list[str]) -> None:
     """``argv``: ``[script, args…]`` or ``[-m, module, args…]``."""
+    deathwatch.hold()  # first: a death from here on is seen as it happens
     exit_note.install()
     own_init_guard.install()
     if argv[0] == "-m":  # python -m pkg.mod: the working directory first on the path

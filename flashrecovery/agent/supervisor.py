@@ -2,9 +2,10 @@
 
 Each is forked from the node's fork server (agent/forkserver.py) when there is one, else
 started as a new interpreter. A waiter thread per child blocks until it exits so an exit is
-reported the moment it happens (no polling). Children get their own session so a terminal's
-Ctrl-C reaches only the agent, which then tears every child down itself, grandchildren included
-(``killpg``).
+reported the moment it happens (no polling): where it can, as the child starts dying rather
+than once the kernel has torn it down, tens of milliseconds later (agent/deathwatch.py).
+Children get their own session so a terminal's Ctrl-C reaches only the agent, which then tears
+every child down itself, grandchildren included (``killpg``).
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -23,11 +26,12 @@ from pathlib import Path
 
 import psutil
 
-from flashrecovery.agent import script_main
+from flashrecovery.agent import deathwatch, script_main
 from flashrecovery.agent.forkserver import ForkedProcess, ForkServer, Task
 from flashrecovery.trainer_hooks.env import SECRET, SECRET_FD, Role
 
 TERM_GRACE_S = 3.0  # SIGTERM, then SIGKILL what is still there
+REAP_WAIT_S = 2.0  # how long a replacement waits for its slot's dying holder to be gone
 UNRUNNABLE = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP, psutil.STATUS_ZOMBIE)
 
 
@@ -44,6 +48,7 @@ class Child:
     spare_id: int | None
     generation: int
     slot: int  # its LOCAL_RANK: its place (its device) on this node, kept when assigned
+    reported: bool = False  # its exit was reported (it may still be dying)
 
     @property
     def pid(self) -> int:
@@ -92,6 +97,10 @@ class Supervisor:
         self._holders: dict[int, Child] = {}  # rank -> the process holding it on this node
         self._starting: set[int] = set()  # slots of processes being started
         self._tearing_down = False
+        # The death watches' mutex files, each there while its process starts.
+        self._watches = (
+            Path(tempfile.mkdtemp(prefix="flashrecovery-watch-")) if deathwatch.SUPPORTED else None
+        )
 
     # ------------------------------------------------------------------ starting
 
@@ -125,10 +134,15 @@ class Supervisor:
         self, extra: dict[str, str], rank: int | None, spare_id: int | None, generation: int
     ) -> Child:
         output = None
+        preferred = None if rank is None else rank % self._per_node
+        self._await_reaped(preferred)
         with self._lock:
-            slot = self._free_slot(None if rank is None else rank % self._per_node)
+            slot = self._free_slot(preferred)
             self._starting.add(slot)
+        watch = deathwatch.Watch(self._watches) if self._watches is not None else None
         extra = {**extra, "LOCAL_RANK": str(slot)}
+        if watch is not None:
+            extra[deathwatch.ENV] = str(watch.path)
         if self._output_dir is not None:
             self._output_dir.mkdir(parents=True, exist_ok=True)
             name = f"rank{rank}" if spare_id is None else f"spare{spare_id}"
@@ -153,7 +167,21 @@ class Supervisor:
         waiter = threading.Thread(target=self._wait, args=(child,), name=f"wait-{child.pid}")
         waiter.daemon = True
         waiter.start()
+        if watch is not None:
+            threading.Thread(
+                target=self._watch, args=(child, watch), name=f"watch-{child.pid}", daemon=True
+            ).start()
         return child
+
+    def _await_reaped(self, slot: int | None) -> None:
+        """A process reported dead may hold its slot (its device) a few tens of milliseconds
+        more while the kernel tears it down: a replacement for that slot waits for it
+        (bounded) rather than take another."""
+        with self._lock:
+            dying = [c for c in self._children if c.slot == slot and c.reported and c.alive]
+        for child in dying:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.popen.wait(REAP_WAIT_S)
 
     def _free_slot(self, preferred: int | None) -> int:
         """A place on this node no live process holds: a rank's own (its rank modulo the
@@ -165,9 +193,22 @@ class Supervisor:
         return next(slot for slot in itertools.count() if slot not in held)
 
     def _wait(self, child: Child) -> None:
-        code = child.popen.wait()
+        self._exited(child, child.popen.wait())
+
+    def _watch(self, child: Child, watch: deathwatch.Watch) -> None:
+        """Report the child's exit as it starts dying (its reap reports it otherwise)."""
+        try:
+            died = watch.wait(lambda: not child.alive)
+        finally:
+            watch.close()
+        code = deathwatch.exit_status(child.pid) if died else None
+        if code is not None:
+            self._exited(child, code)
+
+    def _exited(self, child: Child, code: int) -> None:
+        """Report an exit once (the death watch's or the reap's, whichever comes first)."""
         with self._lock:
-            quiet = self._tearing_down
+            quiet, child.reported = self._tearing_down or child.reported, True
         if not quiet:
             self._on_exit(child, code)
 
@@ -217,7 +258,7 @@ class Supervisor:
 
     def idle_spares(self) -> int:
         with self._lock:
-            return sum(1 for c in self._children if c.rank is None and c.alive)
+            return sum(1 for c in self._children if c.rank is None and c.alive and not c.reported)
 
     # ------------------------------------------------------------------ ending
 
@@ -239,6 +280,8 @@ class Supervisor:
                 child.popen.wait(TERM_GRACE_S)
             except subprocess.TimeoutExpired:
                 print(f"flashrecovery: process {child.pid} did not die", file=sys.stderr)
+        if self._watches is not None:
+            shutil.rmtree(self._watches, ignore_errors=True)
 
 
 def _start(command: list[str], env: dict[str, str], output: Path | None) -> subprocess.Popen[bytes]:

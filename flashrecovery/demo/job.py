@@ -220,8 +220,9 @@ class LaunchedJob:
         if self._nodes is None or node not in self._nodes.agents:
             return None
         self._killed.add(node)
+        sent = time.time()  # before: the agent may date the exit before this thread runs again
         self._nodes.signal_node(node, signal.SIGKILL)
-        return time.time()
+        return sent
 
     def lose_node(self, node: int) -> None:
         """The node is cut off: the job goes on without it, and its agent's exit (it ends once
@@ -265,11 +266,12 @@ class LaunchedJob:
         process = self.descendants().get(pid)
         if process is None:
             return None
+        sent = time.time()  # before: the agent may date the exit before this thread runs again
         try:
             process.send_signal(sig)
         except psutil.NoSuchProcess:
             return None
-        return time.time()
+        return sent
 
     def output_tail(self, lines: int = 20) -> str:
         try:
