@@ -151,6 +151,7 @@ def test_the_supervisor_reports_a_rank_exit_either_way(
         nproc_per_node=2,
         spare_ids=lambda: 0,
         forks=forks,
+        watches=tmp_path,
     )
     try:
         child = supervisor.spawn_rank(1)
@@ -189,6 +190,7 @@ def test_a_sigkilled_rank_is_reported_as_it_dies_not_once_reaped(
         nproc_per_node=1,
         spare_ids=lambda: 0,
         forks=server if method == "forkserver" else None,
+        watches=tmp_path,
     )
     try:
         child = supervisor.spawn_rank(0)

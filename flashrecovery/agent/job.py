@@ -196,6 +196,7 @@ class Agent:
             spare_ids=member.next_spare_id,
             forks=forks,
             finished=self._links.finished,
+            watches=node_dir.path,
         )
         actions = Actions(
             supervisor,

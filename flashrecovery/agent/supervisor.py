@@ -13,11 +13,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -81,9 +79,12 @@ class Supervisor:
         spare_ids: Callable[[], int],
         forks: ForkServer | None = None,
         finished: Callable[[int], bool] = lambda pid: False,
+        watches: Path | None = None,
     ) -> None:
         """``finished(pid)``: whether the process finished training (its RankFinished is in
-        the log); its exit is then no failure, whatever its status."""
+        the log); its exit is then no failure, whatever its status. ``watches``: where the
+        death watches' files go while their processes start (the node's private directory);
+        None: exits are seen at the reap only."""
         self._command = command
         self._forks = forks
         self._env = dict(env)
@@ -97,10 +98,7 @@ class Supervisor:
         self._holders: dict[int, Child] = {}  # rank -> the process holding it on this node
         self._starting: set[int] = set()  # slots of processes being started
         self._tearing_down = False
-        # The death watches' mutex files, each there while its process starts.
-        self._watches = (
-            Path(tempfile.mkdtemp(prefix="flashrecovery-watch-")) if deathwatch.SUPPORTED else None
-        )
+        self._watches = watches if deathwatch.SUPPORTED else None
 
     # ------------------------------------------------------------------ starting
 
@@ -280,8 +278,6 @@ class Supervisor:
                 child.popen.wait(TERM_GRACE_S)
             except subprocess.TimeoutExpired:
                 print(f"flashrecovery: process {child.pid} did not die", file=sys.stderr)
-        if self._watches is not None:
-            shutil.rmtree(self._watches, ignore_errors=True)
 
 
 def _start(command: list[str], env: dict[str, str], output: Path | None) -> subprocess.Popen[bytes]:
