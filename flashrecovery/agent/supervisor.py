@@ -132,10 +132,9 @@ class Supervisor:
         self, extra: dict[str, str], rank: int | None, spare_id: int | None, generation: int
     ) -> Child:
         output = None
-        preferred = None if rank is None else rank % self._per_node
-        self._await_reaped(preferred)
+        self._await_reaped()
         with self._lock:
-            slot = self._free_slot(preferred)
+            slot = self._free_slot(None if rank is None else rank % self._per_node)
             self._starting.add(slot)
         watch = deathwatch.Watch(self._watches) if self._watches is not None else None
         extra = {**extra, "LOCAL_RANK": str(slot)}
@@ -171,15 +170,17 @@ class Supervisor:
             ).start()
         return child
 
-    def _await_reaped(self, slot: int | None) -> None:
+    def _await_reaped(self) -> None:
         """A process reported dead may hold its slot (its device) a few tens of milliseconds
-        more while the kernel tears it down: a replacement for that slot waits for it
-        (bounded) rather than take another."""
+        more while the kernel tears it down: a process started meanwhile (a replacement for
+        that slot, a refilled spare taking the lowest free one) waits for it, bounded, rather
+        than take another."""
         with self._lock:
-            dying = [c for c in self._children if c.slot == slot and c.reported and c.alive]
+            dying = [c for c in self._children if c.reported and c.alive]
+        deadline = time.monotonic() + REAP_WAIT_S
         for child in dying:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                child.popen.wait(REAP_WAIT_S)
+                child.popen.wait(max(0.0, deadline - time.monotonic()))
 
     def _free_slot(self, preferred: int | None) -> int:
         """A place on this node no live process holds: a rank's own (its rank modulo the
