@@ -227,3 +227,35 @@ def test_a_child_ends_as_its_script_does_and_prints_only_what_it_prints(
                     str(output))  # fmt: skip
         assert server.spawn(task).wait(60) == code
         assert output.read_text() == "donethread ended\nexit function ran\n"
+
+
+def test_a_system_without_a_death_watch_still_reports_exits_at_the_reap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def refused(directory: Path) -> None:
+        raise OSError(38, "no robust mutexes here")
+
+    monkeypatch.setattr("flashrecovery.agent.deathwatch.Watch", refused)
+    exits: list[int] = []
+    done = threading.Event()
+
+    def on_exit(child: Child, code: int) -> None:
+        exits.append(code)
+        done.set()
+
+    supervisor = Supervisor(
+        [sys.executable, str(script(tmp_path, "exit4.py", "raise SystemExit(4)\n"))],
+        dict(os.environ),
+        on_exit,
+        nproc_per_node=1,
+        spare_ids=lambda: 0,
+        watches=tmp_path,
+    )
+    try:
+        supervisor.spawn_rank(0)
+        assert done.wait(60) and exits == [4]
+        assert "exits are seen once reaped: [Errno 38] no robust mutexes here" in (
+            capsys.readouterr().err
+        )
+    finally:
+        supervisor.teardown()

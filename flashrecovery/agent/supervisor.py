@@ -136,7 +136,7 @@ class Supervisor:
         with self._lock:
             slot = self._free_slot(None if rank is None else rank % self._per_node)
             self._starting.add(slot)
-        watch = deathwatch.Watch(self._watches) if self._watches is not None else None
+        watch = self._death_watch()
         extra = {**extra, "LOCAL_RANK": str(slot)}
         if watch is not None:
             extra[deathwatch.ENV] = str(watch.path)
@@ -169,6 +169,18 @@ class Supervisor:
                 target=self._watch, args=(child, watch), name=f"watch-{child.pid}", daemon=True
             ).start()
         return child
+
+    def _death_watch(self) -> deathwatch.Watch | None:
+        """A new process's death watch; None (and none from now on, said once) where this
+        system's libc cannot make one: its exits are then seen at the reap."""
+        if self._watches is None:
+            return None
+        try:
+            return deathwatch.Watch(self._watches)
+        except (OSError, AttributeError) as exc:  # AttributeError: a libc without the call
+            self._watches = None
+            print(f"flashrecovery: exits are seen once reaped: {exc}", file=sys.stderr)
+            return None
 
     def _await_reaped(self) -> None:
         """A process reported dead may hold its slot (its device) a few tens of milliseconds
