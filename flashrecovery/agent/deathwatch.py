@@ -23,7 +23,6 @@ import errno
 import mmap
 import os
 import platform
-import struct
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -55,21 +54,12 @@ class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
-def _address(mapped: mmap.mmap, offset: int) -> tuple[ctypes.c_char, int]:
-    view = ctypes.c_char.from_buffer(mapped, offset)
-    return view, ctypes.addressof(view)
-
-
 def _futex(address: int, op: int, value: int, timeout_s: float | None = None) -> None:
     timeout = None
     if timeout_s is not None:
         seconds = int(timeout_s)
         timeout = ctypes.byref(_Timespec(seconds, int((timeout_s - seconds) * 1e9)))
     _libc.syscall(_FUTEX_SYSCALL, ctypes.c_void_p(address), op, value, timeout, None, 0)
-
-
-def _flag(mapped: mmap.mmap) -> int:
-    return int(struct.unpack_from("i", mapped, _FLAG)[0])
 
 
 class Watch:
@@ -84,7 +74,9 @@ class Watch:
             self._mapped = mmap.mmap(fd, _FILE_BYTES)
         finally:
             os.close(fd)
-        self._view, self._mutex = _address(self._mapped, 0)
+        self._mutex_view = ctypes.c_char.from_buffer(self._mapped)
+        self._held = ctypes.c_int.from_buffer(self._mapped, _FLAG)
+        self._mutex = ctypes.addressof(self._mutex_view)
         attributes = ctypes.create_string_buffer(64)  # a pthread_mutexattr_t (4 bytes)
         for call in (
             lambda: _libc.pthread_mutexattr_init(attributes),
@@ -101,21 +93,17 @@ class Watch:
     def wait(self, ended: Callable[[], bool]) -> bool:
         """Block until the holder dies (True) or lets go of the mutex, or ``ended()`` holds
         before it ever held it (False). On a thread of its own: the lock blocks in C."""
-        flag_view, flag = _address(self._mapped, _FLAG)
-        try:
-            while not _flag(self._mapped):
-                if ended():
-                    return False
-                _futex(flag, _FUTEX_WAIT, 0, HELD_WAIT_S)
-        finally:
-            del flag_view
+        while not self._held.value:
+            if ended():
+                return False
+            _futex(ctypes.addressof(self._held), _FUTEX_WAIT, 0, HELD_WAIT_S)
         self._unlink()  # the holder has opened it: nothing else will
         return bool(_libc.pthread_mutex_lock(ctypes.c_void_p(self._mutex)) == errno.EOWNERDEAD)
 
     def close(self) -> None:
         """Let go of the mutex's memory (a waiting ``wait`` must have returned)."""
         self._unlink()
-        del self._view
+        del self._mutex_view, self._held  # the mapping closes only once no view is left
         self._mapped.close()
 
     def _unlink(self) -> None:

@@ -29,7 +29,7 @@ from flashrecovery.agent.forkserver import ForkedProcess, ForkServer, Task
 from flashrecovery.trainer_hooks.env import SECRET, SECRET_FD, Role
 
 TERM_GRACE_S = 3.0  # SIGTERM, then SIGKILL what is still there
-REAP_WAIT_S = 2.0  # how long a replacement waits for its slot's dying holder to be gone
+REAP_WAIT_S = 2.0  # how long a process being started waits for the dying ones to be gone
 UNRUNNABLE = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP, psutil.STATUS_ZOMBIE)
 
 
