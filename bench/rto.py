@@ -3,6 +3,7 @@
     python -m bench.rto [--worlds 2 4] [--parallel hook ddp hsdp] [--kills 5] [--quick]
                         [--modes "hot spare"] [--group-rebuild fresh reconfigure]
     python -m bench.rto --nodes [2 3]
+    python -m bench.rto --state-mb [10 100 500 1200] [--kills 3] [--quick]
 
 For each world size and mode, one job of the demo's model runs under `flashrecovery run` while a
 seeded random rank is SIGKILLed from outside, ``--kills`` times, each once the job runs again
@@ -23,12 +24,22 @@ runs again, the last node and node 0 (its agent's process group: node 0's agent 
 store generation 0 meets on and the engine holding the lease). It also counts the records the job
 writes into its log per second while it trains, per node and per rank (bench/results/
 rto_nodes.json).
+
+With ``--state-mb``, RTO against the state's size: bench/compare.py's MLP (torch DDP over the
+session's stable group, AdamW) widened until its parameters and AdamW moments reach each size,
+on 2 ranks (a replacement restored from 1 donor) and 3 ranks (from 2, each sending a stripe),
+a hot spare each, the first kill once a few steady steps are measured. Beside each, the steady
+step, RTO less one step, its phases, the restore, and the time raw gloo send/recv takes for
+the same bytes on this machine (measured first, bench/transfer.py's ceiling):
+bench/results/rto_state.json, a table and bench/results/rto_state.png. ``--quick``: 2 ranks,
+1 kill.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import random
 import statistics
 import tempfile
@@ -36,20 +47,27 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from matplotlib import pyplot as plt
 from rich.console import Console
 
+from bench import transfer
+from bench.compare_workers.workload import mlp_width
 from bench.lib.launch import job_spec
-from bench.lib.results import machine, ms, stacked_bars, table, write_json
+from bench.lib.results import RESULTS, machine, ms, save_figure, stacked_bars, table, write_json
 from flashrecovery.connectors import open_log
 from flashrecovery.demo.job import REPLICA_MESH, LaunchedJob, whole_replicas
 from flashrecovery.demo.summary import incidents
 from flashrecovery.demo.watch import JobWatch, Kill, Killer, follow
-from flashrecovery.records import StepCompleted, Stream
+from flashrecovery.records import ResumePlanned, StepCompleted, Stream
 from flashrecovery.replay.verify import handle_runs
 from flashrecovery.statemachines.incident import PHASES
 
 MODES = {"hot spare": 1, "fresh spawn": 0}
 GAP_STEPS = 3  # steps of normal training between a recovery and the next kill
+WARMUP_STEPS = 2  # a job's first steps pay one-time costs: not counted in its steady step
+STEADY_STEPS = 5  # with --state-mb, steps measured for the steady step before the first kill
+CEILING_LAYERS = 20  # raw gloo's ceiling measured on this many 1024 x 1024 layers (252 MB)
+WORKER = Path(__file__).resolve().parent / "compare_workers" / "flash_worker.py"
 SPARE_WAIT_S = 90.0  # a refilled spare starts python and torch on busy cores
 STEPS = 1_000_000  # never reached: the bench ends the job once it has its kills
 SEGMENTS = ["detection", *PHASES[1:]]
@@ -70,18 +88,23 @@ def measure(
     timeout: float,
     script: Path | None = None,
     group_rebuild: str = "fresh",
+    script_args: tuple[str, ...] = (),
+    first_kill_step: int = 0,
+    spare_refill: str = "immediate",
 ) -> list[Any]:
     """Kill ``kills`` ranks of one job, one at a time; the closed incidents' rows. ``script``:
-    a training script taking ``--steps`` instead of the demo's model."""
+    a training script taking ``--steps`` (and ``script_args``) instead of the demo's model."""
     spec = dataclasses.replace(
         job_spec(
             f"rto-{world}-{parallel}-{MODES[mode]}-{group_rebuild}", tmp, world, MODES[mode], STEPS
         ),
         parallel=parallel,
-        agent_args=("--group-rebuild", group_rebuild),
+        agent_args=("--group-rebuild", group_rebuild, "--spare-refill", spare_refill),
     )
     if script is not None:
-        spec = dataclasses.replace(spec, script=script, script_args=("--steps", str(STEPS)))
+        spec = dataclasses.replace(
+            spec, script=script, script_args=("--steps", str(STEPS), *script_args)
+        )
     rng = random.Random(seed)
     with open_log(spec.log_url) as log:
         with LaunchedJob(spec) as job:
@@ -90,27 +113,46 @@ def measure(
 
             def plan_next(_: Kill | None) -> None:
                 if watch.running and not killer.pending and len(killer.plan) < kills:
-                    killer.plan.append(Kill(rng.randrange(world), watch.committed() + GAP_STEPS))
+                    step = max(first_kill_step, watch.committed() + GAP_STEPS)
+                    killer.plan.append(Kill(rng.randrange(world), step))
 
             follow(
                 job, watch, killer, timeout, plan_next, until=lambda: watch.incidents[1] >= kills
             )
         rows = incidents(log, spec.job_id, killer.plan)["incidents"]
         moved = transfers(log, spec.job_id)
+        step_s = steady_step_s(log, spec.job_id, killer.plan[0].ts if killer.plan else None)
     closed = [r for r in rows if r["state"] == "closed" and r["rto_from_kill_s"] is not None]
-    return [{**r, **moved.get(r["generation"], {})} for r in closed]
+    return [{**r, **moved.get(r["generation"], {}), "steady_step_s": step_s} for r in closed]
 
 
 def transfers(log: Any, job_id: str) -> dict[int, dict[str, float]]:
-    """Per generation, the state it moved: bytes to every recipient, the slowest receive."""
+    """Per generation, the state it moved: bytes to every recipient, the slowest receive, and
+    the most donors sharing one shard's transfer."""
     moved: dict[int, dict[str, float]] = {}
     for entry in log.read(Stream.EVENTS, job_id):
         record = entry.record
-        if record.type == "state_transferred":
-            m = moved.setdefault(record.generation, {"bytes_moved": 0, "restore_ms": 0.0})
+        if record.type not in ("state_transferred", "resume_planned"):
+            continue
+        m = moved.setdefault(record.generation, {"bytes_moved": 0, "restore_ms": 0.0})
+        if isinstance(record, ResumePlanned):
+            m["donors"] = max(len(record.donors_of(shard)) for shard in record.donors)
+        else:
             m["bytes_moved"] += record.bytes
             m["restore_ms"] = max(m["restore_ms"], record.ms)
     return moved
+
+
+def steady_step_s(log: Any, job_id: str, until: float | None) -> float | None:
+    """The median time between two steps one rank committed before ``until`` (the first
+    kill), its first WARMUP_STEPS left out: what one step costs undisturbed."""
+    times: dict[int, list[float]] = {}
+    for entry in log.read(Stream.EVENTS, job_id):
+        record = entry.record
+        if isinstance(record, StepCompleted) and (until is None or record.ts < until):
+            times.setdefault(record.rank, []).append(record.ts)
+    gaps = [b - a for ts in times.values() for a, b in itertools.pairwise(ts[WARMUP_STEPS:])]
+    return statistics.median(gaps) if gaps else None
 
 
 def measure_nodes(nodes: int, tmp: Path, timeout: float) -> dict[str, Any]:
@@ -228,6 +270,118 @@ def nodes_main(node_counts: list[int], timeout: float, console: Console) -> None
     console.print(f"written {path}")
 
 
+def state_main(sizes: list[float], args: argparse.Namespace, console: Console) -> None:
+    """RTO against the state's size: the compare bench's MLP (DDP, AdamW) widened until its
+    parameters and moments reach each size, 2 ranks (1 donor) and 3 ranks (2 donors, each a
+    stripe), a hot spare each; beside it, the raw gloo transfer of that many bytes."""
+    worlds = [2] if args.quick else [2, 3]
+    console.print("raw gloo send/recv, the ceiling …")
+    ceiling = transfer.gloo_ceiling_gb_per_s(1 if args.quick else CEILING_LAYERS, 3)
+    configs = []
+    with tempfile.TemporaryDirectory(prefix="flashrecovery-rto-state-") as tmp:
+        for state_mb in sizes:
+            width = mlp_width(state_mb)
+            for world in worlds:
+                console.print(
+                    f"{state_mb:g} MB (width {width}), {world} ranks: {args.kills} kills …"
+                )
+                rows = measure(
+                    world,
+                    f"state{state_mb:g}",
+                    "hot spare",
+                    args.kills,
+                    args.seed,
+                    Path(tmp),
+                    args.timeout,
+                    script=WORKER,
+                    script_args=("--model", "mlp", "--width", str(width), "--out", tmp),
+                    first_kill_step=WARMUP_STEPS + STEADY_STEPS,
+                    spare_refill=args.spare_refill,
+                )
+                config = aggregate(world, "ddp", "hot spare", rows)
+                config.update(state_mb=state_mb, width=width, donors=world - 1)
+                configs.append(config)
+    settings = {
+        "kills": args.kills,
+        "seed": args.seed,
+        "spare_refill": args.spare_refill,
+        "gloo_ceiling_gb_per_s": ceiling,
+    }
+    path = write_json("rto_state", {"machine": machine(), "settings": settings, "configs": configs})
+    console.print(
+        table(
+            f"RTO against the state, median ms over {args.kills} kills (gloo ceiling "
+            f"{ceiling:.2f} GB/s)",
+            ["", *(f"{c['state_mb']:g} MB, {c['donors']} donor(s)" for c in configs)],
+            [
+                ["kills measured", *(str(c["kills_measured"]) for c in configs)],
+                ["steady step", *(ms(c["median_steady_step_s"]) for c in configs)],
+                ["RTO from the SIGKILL", *(ms(c["median_rto_from_kill_s"]) for c in configs)],
+                ["RTO - one step", *(ms(_less_step(c)) for c in configs)],
+                *([f"  {s}", *(ms(c["median_segments_s"][s]) for c in configs)] for s in SEGMENTS),
+                ["state moved, MB", *(_mb(c["median_bytes_moved"]) for c in configs)],
+                ["restore (transfer)", *(_ms2(c["median_restore_ms"]) for c in configs)],
+                ["moved at the ceiling", *(_at(c["median_bytes_moved"], ceiling) for c in configs)],
+            ],
+        )
+    )
+    console.print(f"written {path} and {_state_plot(configs, ceiling)}")
+
+
+def _less_step(config: dict[str, Any]) -> float | None:
+    rto, step = config["median_rto_from_kill_s"], config["median_steady_step_s"]
+    return None if rto is None or step is None else rto - step
+
+
+def _mb(nbytes: float | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 1e6:.1f}"
+
+
+def _at(nbytes: float | None, gb_per_s: float) -> str:
+    return "-" if nbytes is None else f"{nbytes / gb_per_s / 1e6:.0f}"
+
+
+def _state_plot(configs: list[dict[str, Any]], ceiling: float) -> Path:
+    """RTO less one step and the restore against the state, per donor count; the transfer at
+    the gloo ceiling as the line they should follow."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / "rto_state.png"
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for donors in sorted({c["donors"] for c in configs}):
+        mine = [
+            (c, less)
+            for c in configs
+            if c["donors"] == donors and (less := _less_step(c)) is not None
+        ]
+        mb = [c["state_mb"] for c, _ in mine]
+        ax.plot(
+            mb,
+            [less * 1000 for _, less in mine],
+            marker="o",
+            label=f"RTO - step, {donors} donor(s)",
+        )
+        ax.plot(
+            mb,
+            [c["median_restore_ms"] or 0.0 for c, _ in mine],
+            linestyle="--",
+            marker=".",
+            label=f"restore, {donors} donor(s)",
+        )
+    sizes = sorted({c["state_mb"] for c in configs})
+    ax.plot(
+        sizes,
+        [mb / ceiling for mb in sizes],
+        color="gray",
+        linestyle=":",
+        label=f"state at the gloo ceiling ({ceiling:.2f} GB/s)",
+    )
+    ax.set_xlabel("state (parameters + AdamW moments), MB")
+    ax.set_ylabel("ms (median)")
+    ax.set_title("hot-spare recovery against the state's size")
+    ax.legend(fontsize=8)
+    return save_figure(fig, path)
+
+
 def _per(rate: float | None, count: int) -> str:
     return "-" if rate is None else f"{rate / count:.1f}"
 
@@ -253,6 +407,9 @@ def aggregate(
         "median_rto_from_kill_s": median([r["rto_from_kill_s"] for r in rows]),
         "median_rto_engine_s": median([r["rto_s"] for r in rows]),
         "median_bytes_moved": median([r["bytes_moved"] for r in rows if "bytes_moved" in r]),
+        "median_steady_step_s": median(
+            [r["steady_step_s"] for r in rows if r.get("steady_step_s")]
+        ),
         "median_restore_ms": median([r["restore_ms"] for r in rows if "restore_ms" in r]),
         "median_segments_s": {s: median([p[s] for p in parts]) for s in SEGMENTS},
         "incidents": rows,
@@ -297,7 +454,21 @@ def main() -> None:
         help="how ddp's and hsdp's groups change generation (hook has none: fresh only)",
     )
     parser.add_argument(
+        "--spare-refill",
+        default="immediate",
+        choices=["immediate", "after-recovery"],
+        help="when a taken hot spare is replaced (flashrecovery run --spare-refill)",
+    )
+    parser.add_argument(
         "--quick", action="store_true", help="hook on 2 ranks, hsdp on 4, 1 kill per mode"
+    )
+    parser.add_argument(
+        "--state-mb",
+        type=float,
+        nargs="*",
+        default=None,
+        metavar="MB",
+        help="RTO against the state's size (default 10 100 500 1200), 1 and 2 donors",
     )
     parser.add_argument(
         "--nodes",
@@ -311,6 +482,11 @@ def main() -> None:
     console = Console()
     if args.nodes is not None:
         nodes_main(args.nodes or [2, 3], args.timeout, console)
+        return
+    if args.state_mb is not None:
+        if args.quick:
+            args.kills = 1
+        state_main(args.state_mb or [10, 100, 500, 1200], args, console)
         return
     if args.quick:
         args.worlds, args.kills = [2, 4], 1
@@ -336,9 +512,15 @@ def main() -> None:
                     Path(tmp),
                     args.timeout,
                     group_rebuild=rebuild,
+                    spare_refill=args.spare_refill,
                 )
                 configs.append(aggregate(world, parallel, mode, rows, rebuild))
-    settings = {"kills": args.kills, "gap_steps": GAP_STEPS, "seed": args.seed}
+    settings = {
+        "kills": args.kills,
+        "gap_steps": GAP_STEPS,
+        "seed": args.seed,
+        "spare_refill": args.spare_refill,
+    }
     path = write_json("rto", {"machine": machine(), "settings": settings, "configs": configs})
 
     console.print(

@@ -93,7 +93,15 @@ def _in_place(group: groups.Group, rank: int, donors: list[int], state: Any, rec
     return received.replicated
 
 
-def _worker(rank: int, port: int, prefix: str, sizes: list[int], rounds: int, out: Queue) -> None:
+def _worker(
+    rank: int,
+    port: int,
+    prefix: str,
+    sizes: list[int],
+    rounds: int,
+    methods: list[str],
+    out: Queue,
+) -> None:
     torch.set_num_threads(1)
     client = groups.connect_store(f"127.0.0.1:{port}", prefix)
     group = groups.build(client, 0, rank, 3, lambda: False)
@@ -103,9 +111,9 @@ def _worker(rank: int, port: int, prefix: str, sizes: list[int], rounds: int, ou
         state = _replicated(model, optimizer)
         nbytes = sum(t.nbytes for t in _flat(state))
         raw = torch.empty(nbytes, dtype=torch.uint8)
-        times: dict[str, list[float]] = {m: [] for m in METHODS}
+        times: dict[str, list[float]] = {m: [] for m in methods}
         for round_ in range(rounds):
-            for method in METHODS:
+            for method in methods:
                 # The recipient: a model of the right shape and a fresh optimizer, as a spare.
                 spare = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(layers)])
                 recipient = (spare, torch.optim.AdamW(spare.parameters()))
@@ -135,13 +143,17 @@ def _worker(rank: int, port: int, prefix: str, sizes: list[int], rounds: int, ou
     groups.drop(group)
 
 
-def measure(sizes: list[int], rounds: int) -> list[dict[str, Any]]:
+def measure(sizes: list[int], rounds: int, methods: list[str] = METHODS) -> list[dict[str, Any]]:
+    """Each size's times (seconds, per method, per round), from the recipient."""
     store = JobStore.open(TIMEOUT)
     os.environ.update(store.environment())  # gloo on loopback, as a job's ranks
     spawn = mp.get_context("spawn")
     out: Queue = spawn.Queue()
     workers = [
-        spawn.Process(target=_worker, args=(r, store.port, store.prefix, sizes, rounds, out))
+        spawn.Process(
+            target=_worker,
+            args=(r, store.port, store.prefix, sizes, rounds, methods, out),
+        )
         for r in (RECIPIENT, *DONORS)
     ]
     for w in workers:
@@ -154,6 +166,13 @@ def measure(sizes: list[int], rounds: int) -> list[dict[str, Any]]:
             if w.is_alive():
                 w.kill()
                 w.join()
+
+
+def gloo_ceiling_gb_per_s(layers: int, rounds: int) -> float:
+    """Raw gloo send/recv of a ``layers``-layer state, one donor to the recipient: GB/s, the
+    median of ``rounds``."""
+    (result,) = measure([layers], rounds, ["raw gloo"])
+    return float(result["bytes"] / statistics.median(result["seconds"]["raw gloo"]) / 1e9)
 
 
 def _plot(results: list[dict[str, Any]]) -> Any:

@@ -15,7 +15,7 @@ import argparse
 from pathlib import Path
 
 from torch.nn.parallel import DistributedDataParallel
-from workload import MODELS, Progress, build
+from workload import MLP_WIDTH, MODELS, Progress, build
 
 from flashrecovery.trainer_hooks import init
 
@@ -26,12 +26,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--parallel", choices=("ddp", "hook"), default="ddp")
+    parser.add_argument("--width", type=int, default=MLP_WIDTH, help="the MLP's")
     args = parser.parse_args()
     session = init()
+    work = build(args.model, width=args.width)  # a hot spare builds it before it has a rank
     ddp = args.parallel == "ddp"
     if ddp:
         session.process_group()  # a hot spare waits in here until it has a rank
-    work = build(args.model)
     forward = DistributedDataParallel(work.model) if ddp else work.model
 
     def warmup() -> None:  # a spare's first forward/backward, paid before it is needed

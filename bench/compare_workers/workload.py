@@ -48,31 +48,42 @@ def _gpt_loss(forward: nn.Module, step: int, rank: int, world: int) -> torch.Ten
     return lm_loss(forward(x), y)
 
 
-def _mlp_loss(forward: nn.Module, step: int, rank: int, world: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed((world * 1_000_003 + step) * 1_000 + rank)
-    x = torch.randn(MLP_BATCH, MLP_WIDTH, generator=generator)
-    return F.mse_loss(forward(x), x.roll(1, dims=1).tanh())
+def _mlp_loss(width: int) -> Callable[[nn.Module, int, int, int], torch.Tensor]:
+    def loss(forward: nn.Module, step: int, rank: int, world: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed((world * 1_000_003 + step) * 1_000 + rank)
+        x = torch.randn(MLP_BATCH, width, generator=generator)
+        return F.mse_loss(forward(x), x.roll(1, dims=1).tanh())
+
+    return loss
 
 
-def _mlp() -> nn.Module:
+def _mlp(width: int) -> nn.Module:
     layers: list[nn.Module] = []
     for i in range(MLP_LAYERS):
-        layers.append(nn.Linear(MLP_WIDTH, MLP_WIDTH))
+        layers.append(nn.Linear(width, width))
         if i < MLP_LAYERS - 1:
             layers.append(nn.ReLU())
     return nn.Sequential(*layers)
 
 
-def build(name: str, seed: int = 0) -> Workload:
+def mlp_width(state_mb: float) -> int:
+    """The MLP's width whose parameters and AdamW moments (three float32 copies) come nearest
+    ``state_mb`` megabytes: what a replacement receives from its donors."""
+    per_layer = state_mb * 1e6 / (3 * 4 * MLP_LAYERS)  # width**2 + width floats a layer
+    return max(1, round((-1 + (1 + 4 * per_layer) ** 0.5) / 2))
+
+
+def build(name: str, seed: int = 0, width: int = MLP_WIDTH) -> Workload:
+    """``width``: the MLP's (bench/rto.py --state-mb sizes the state with it)."""
     if name not in MODELS:
         raise ValueError(f"model {name!r}: expected one of {', '.join(MODELS)}")
     torch.set_num_threads(1)
     torch.manual_seed(seed)
     if name == "gpt":
         model: nn.Module = TinyGPT(GPTConfig(vocab_size=len(vocabulary()), block_size=BLOCK_SIZE))
-        loss = _gpt_loss
+        loss: Callable[[nn.Module, int, int, int], torch.Tensor] = _gpt_loss
     else:
-        model, loss = _mlp(), _mlp_loss
+        model, loss = _mlp(width), _mlp_loss(width)
     return Workload(model, torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE), loss)
 
 
