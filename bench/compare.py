@@ -1,4 +1,4 @@
-"""Four ways to survive a SIGKILL, side by side: the same model, the same kills, one command.
+"""Five ways to survive a SIGKILL, side by side: the same model, the same kills, one command.
 
     python -m bench.compare [--models gpt mlp] [--worlds 2 4] [--kills 5] [--rounds 5] [--quick]
 
@@ -7,9 +7,10 @@ Systems (each a real job of real processes on this machine):
 - flashrecovery, fresh spawn: `--spares 0`; the agent starts a new process for the rank;
 - torchrun + checkpoint: `torchrun --max-restarts`, plain DDP, rank 0 checkpoints every
   ``--checkpoint-every`` steps; every worker restarts and reloads the last checkpoint;
-- torchft: torchft's Manager, one replica group per rank and a lighthouse; the killed replica
-  is respawned at once and heals from a peer (needs ``pip install -e '.[compare]'``; skipped
-  with a one-line reason otherwise).
+- torchft (defaults), torchft (tuned): torchft's Manager, one replica group per rank and a
+  lighthouse; the killed replica is respawned at once and heals from a peer; once with
+  torchft's default timeouts, once with timeouts tuned for one machine (TORCHFT_SETTINGS, also
+  in the JSON); needs ``pip install -e '.[compare]'`` (skipped with a one-line reason otherwise).
 Their workers are in bench/compare_workers/: the same models (the demo's GPT and a 4 x 1024²
 MLP), batches and step, and the same witness, a line per committed step (workload.py).
 
@@ -109,21 +110,39 @@ def _torchrun(trial: Trial) -> JobSpec:
     return _command(trial, [*launcher, *worker, "--checkpoint-every", str(trial.checkpoint_every)])
 
 
-def _torchft(trial: Trial) -> JobSpec:
-    job = [sys.executable, str(WORKERS / "torchft_job.py"), "--world", str(trial.world)]
-    return _command(trial, [*job, *trial.worker_args()])
+# torchft's settings, per row: its defaults, and timeouts tuned for one machine (a lost
+# replica's heartbeat expires in 0.5 s, a quorum waits 1 s for stragglers; the Manager's and
+# its group's operations time out after 10 s).
+TORCHFT_SETTINGS = {
+    "torchft (defaults)": {
+        "heartbeat_timeout_ms": 5000,
+        "join_timeout_ms": 60_000,
+        "timeout_s": 60.0,
+    },
+    "torchft (tuned)": {"heartbeat_timeout_ms": 500, "join_timeout_ms": 1000, "timeout_s": 10.0},
+}
+
+
+def _torchft(settings: dict[str, float]) -> Callable[[Trial], JobSpec]:
+    def spec(trial: Trial) -> JobSpec:
+        job = [sys.executable, str(WORKERS / "torchft_job.py"), "--world", str(trial.world)]
+        for key, value in settings.items():
+            job += [f"--{key.replace('_', '-')}", str(value)]
+        return _command(trial, [*job, *trial.worker_args()])
+
+    return spec
 
 
 SYSTEMS: dict[str, Callable[[Trial], JobSpec]] = {
     BASELINE: _flashrecovery(1),
     "flashrecovery fresh spawn": _flashrecovery(0),
     "torchrun + checkpoint": _torchrun,
-    "torchft": _torchft,
+    **{name: _torchft(settings) for name, settings in TORCHFT_SETTINGS.items()},
 }
 
 
 def skip_reason(system: str) -> str | None:
-    if system == "torchft" and importlib.util.find_spec("torchft") is None:
+    if system in TORCHFT_SETTINGS and importlib.util.find_spec("torchft") is None:
         return "torchft is not installed (pip install -e '.[compare]')"
     return None
 
@@ -427,6 +446,13 @@ def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
+def _less_step(summary: dict[str, Any]) -> str:
+    """The median RTO less one steady step, ms: what a recovery costs beyond recomputing the
+    step the failure took."""
+    rto, step = summary["rto_s"], summary["steady_ms_per_step"]
+    return "-" if rto is None or step is None else f"{rto['median'] * 1000 - step:.0f}"
+
+
 def render(configs: list[dict[str, Any]], skipped: dict[str, str], console: Console) -> Path:
     rows = []
     for config in configs:
@@ -438,6 +464,7 @@ def render(configs: list[dict[str, Any]], skipped: dict[str, str], console: Cons
                     s["system"],
                     str(s["kills_measured"]),
                     _spread_ms(s["rto_s"]),
+                    _less_step(s),
                     _ratio(s["rto_vs_hot_spare"]),
                     _spread_ms(s["stall_s"]),
                     "-" if lost is None else f"{lost['median']:.0f} [{lost['max']:.0f}]",
@@ -446,12 +473,15 @@ def render(configs: list[dict[str, Any]], skipped: dict[str, str], console: Cons
                     "-" if s["refill_ms_per_step"] is None else f"{s['refill_ms_per_step']:.1f}",
                 ]
             )
-    columns = ["config", "system", "kills", "RTO ms med [min..max]", "RTO vs hot spare"]
+    columns = ["config", "system", "kills", "RTO ms med [min..max]", "RTO - 1 step"]
+    columns += ["RTO vs hot spare"]
     columns += ["others' stall ms", "steps lost med [max]", "ms/step", "vs hot spare"]
     columns += ["ms/step, next spare starting"]
     console.print(table("SIGKILL → every rank committed a new step", columns, rows))
     for system, reason in skipped.items():
         console.print(f"{system}: skipped, {reason}", markup=False)
+    for system, settings in TORCHFT_SETTINGS.items():
+        console.print(f"{system}: {', '.join(f'{k} {v:g}' for k, v in settings.items())}")
     labels, medians = [], []
     for config in configs:
         for s in config["systems"]:
@@ -478,7 +508,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.models, args.worlds, args.kills, args.rounds = ["gpt"], [2], 1, 1
-        args.systems = [BASELINE, "torchrun + checkpoint", "torchft"]
+        args.systems = [BASELINE, "torchrun + checkpoint", "torchft (tuned)"]
     if args.kills < 1 or args.rounds < 1 or args.rounds > args.kills:
         parser.error("--kills and --rounds: at least 1, and no more rounds than kills")
     skipped = {s: r for s in args.systems if (r := skip_reason(s))}
@@ -489,6 +519,7 @@ def main() -> None:
         "gap_steps": GAP_STEPS,
         "random_steps": RANDOM_STEPS,
         "warmup_steps": WARMUP_STEPS,
+        "torchft_settings": TORCHFT_SETTINGS,
         "loadavg_at_start": os.getloadavg(),
     }
     configs: list[dict[str, Any]] = []

@@ -32,13 +32,19 @@ def main() -> int:
     parser.add_argument(
         "--heartbeat-timeout-ms", type=int, default=5000, help="lighthouse (torchft's default)"
     )
+    parser.add_argument(
+        "--join-timeout-ms", type=int, default=60_000, help="lighthouse (torchft's default)"
+    )
+    parser.add_argument(
+        "--timeout-s", type=float, default=60.0, help="the Manager's and its group's (default)"
+    )
     args = parser.parse_args()
     out = args.out.resolve()  # the replicas need absolute paths
     lighthouse = LighthouseServer(
         bind="127.0.0.1:0",
         min_replicas=1,
-        join_timeout_ms=10_000,
-        quorum_tick_ms=100,
+        join_timeout_ms=args.join_timeout_ms,
+        quorum_tick_ms=100,  # torchft's default
         heartbeat_timeout_ms=args.heartbeat_timeout_ms,
     )
 
@@ -46,6 +52,7 @@ def main() -> int:
         command = [sys.executable, str(WORKER), "--replica", str(replica)]
         command += ["--world", str(args.world), "--model", args.model, "--steps", str(args.steps)]
         command += ["--out", str(out), "--lighthouse", lighthouse.address()]
+        command += ["--timeout-s", str(args.timeout_s)]
         return subprocess.Popen(command, stdin=subprocess.DEVNULL)
 
     stopping = False

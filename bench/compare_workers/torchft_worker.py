@@ -25,8 +25,6 @@ from torchft.manager import Manager
 from torchft.process_group import ProcessGroupGloo
 from workload import MODELS, Progress, build
 
-TIMEOUT = timedelta(seconds=10)
-
 
 def average(manager: Manager, grads: list[torch.Tensor]) -> None:
     """Average the gradients over the quorum's replicas; after a peer's failure the Manager
@@ -45,7 +43,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--out", type=Path, required=True, help="absolute")
     parser.add_argument("--lighthouse", required=True)
+    parser.add_argument("--timeout-s", type=float, default=60.0, help="torchft's default")
     args = parser.parse_args()
+    timeout = timedelta(seconds=args.timeout_s)
     work = build(args.model)
 
     def state_dict() -> dict[str, Any]:
@@ -58,11 +58,13 @@ def main() -> None:
     # The replica group's own store: a group of one process hosts it itself.
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     manager = Manager(
-        pg=ProcessGroupGloo(timeout=TIMEOUT),
+        pg=ProcessGroupGloo(timeout=timeout),
         load_state_dict=load_state_dict,
         state_dict=state_dict,
         min_replica_size=1,
-        timeout=TIMEOUT,
+        timeout=timeout,
+        quorum_timeout=timeout,
+        connect_timeout=timeout,
         rank=0,
         world_size=1,
         store_addr="127.0.0.1",
