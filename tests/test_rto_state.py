@@ -39,7 +39,7 @@ def test_the_steady_step_leaves_out_the_first_steps_and_all_after_the_first_kill
     with open_log("memory://") as log:
         for rank in (0, 1):
             # two slow first steps, then one a second; the kill at t=20, slower steps after it
-            # (with the first steps counted the median would be 3 s, with the later ones 1.5 s)
+            # (with the first steps counted the median would be 3 s, with the later ones 5 s)
             times = [0.0, 5.0, 10.0, 11.0, 12.0, 22.0, 27.0, 32.0]
             for step, ts in enumerate(times):
                 log.append(Stream.EVENTS, _step(rank, step, ts + rank * 0.01))
