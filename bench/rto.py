@@ -130,13 +130,15 @@ def transfers(log: Any, job_id: str) -> dict[int, dict[str, float]]:
     """Per generation, the state it moved: bytes to every recipient, the slowest receive, and
     the most donors sharing one shard's transfer."""
     moved: dict[int, dict[str, float]] = {}
-    for entry in log.read(Stream.EVENTS, job_id):
+    for entry in itertools.chain(
+        log.read(Stream.EVENTS, job_id), log.read(Stream.DECISIONS, job_id)
+    ):
         record = entry.record
         if record.type not in ("state_transferred", "resume_planned"):
             continue
         m = moved.setdefault(record.generation, {"bytes_moved": 0, "restore_ms": 0.0})
         if isinstance(record, ResumePlanned):
-            m["donors"] = max(len(record.donors_of(shard)) for shard in record.donors)
+            m["donors"] = max((len(record.donors_of(shard)) for shard in record.donors), default=0)
         else:
             m["bytes_moved"] += record.bytes
             m["restore_ms"] = max(m["restore_ms"], record.ms)
@@ -299,7 +301,8 @@ def state_main(sizes: list[float], args: argparse.Namespace, console: Console) -
                     spare_refill=args.spare_refill,
                 )
                 config = aggregate(world, "ddp", "hot spare", rows)
-                config.update(state_mb=state_mb, width=width, donors=world - 1)
+                donors = Counter(r["donors"] for r in rows if "donors" in r).most_common(1)
+                config.update(state_mb=state_mb, width=width, donors=donors[0][0] if donors else 0)
                 configs.append(config)
     settings = {
         "kills": args.kills,
