@@ -2,8 +2,9 @@
 
 Two models, built identically (seed first, one thread) in every worker of every system: the
 demo's GPT (flashrecovery/demo/model.py, ~1.2 M parameters) and an MLP of four 1024 x 1024
-linear layers (~4.2 M parameters). Batches depend only on (step, rank, world size), so a
-restarted or replacing worker draws what the one it replaces would have drawn.
+linear layers (~4.2 M parameters; bench/rto.py --state-mb widens it). Batches depend only on
+(step, rank, world size), so a restarted or replacing worker draws what the one it replaces
+would have drawn.
 
 Each committed step is one JSON line appended to ``<out>/progress.jsonl`` (wall time, rank,
 pid, step): bench/compare.py measures every system from these same lines, never from a
