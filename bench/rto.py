@@ -296,7 +296,10 @@ def state_main(sizes: list[float], args: argparse.Namespace, console: Console) -
                     Path(tmp),
                     args.timeout,
                     script=WORKER,
-                    script_args=("--model", "mlp", "--width", str(width), "--out", tmp),
+                    script_args=(
+                        *("--model", "mlp", "--width", str(width)),
+                        *("--out", str(Path(tmp) / f"witness-{state_mb:g}-{world}")),
+                    ),
                     first_kill_step=WARMUP_STEPS + STEADY_STEPS,
                     spare_refill=args.spare_refill,
                 )
@@ -322,7 +325,7 @@ def state_main(sizes: list[float], args: argparse.Namespace, console: Console) -
                 ["RTO from the SIGKILL", *(ms(c["median_rto_from_kill_s"]) for c in configs)],
                 ["RTO - one step", *(ms(_less_step(c)) for c in configs)],
                 *([f"  {s}", *(ms(c["median_segments_s"][s]) for c in configs)] for s in SEGMENTS),
-                ["state moved, MB", *(_mb(c["median_bytes_moved"]) for c in configs)],
+                ["state moved, MB", *(_bytes(c["median_bytes_moved"], 1e6, 1) for c in configs)],
                 ["restore (transfer)", *(_ms2(c["median_restore_ms"]) for c in configs)],
                 ["moved at the ceiling", *(_at(c["median_bytes_moved"], ceiling) for c in configs)],
             ],
@@ -336,8 +339,9 @@ def _less_step(config: dict[str, Any]) -> float | None:
     return None if rto is None or step is None else rto - step
 
 
-def _mb(nbytes: float | None) -> str:
-    return "-" if nbytes is None else f"{nbytes / 1e6:.1f}"
+def _bytes(nbytes: float | None, unit: float, digits: int) -> str:
+    """Bytes in ``unit`` (1e3: kB, 1e6: MB) for a table cell ("-" for none)."""
+    return "-" if nbytes is None else f"{nbytes / unit:.{digits}f}"
 
 
 def _at(nbytes: float | None, gb_per_s: float) -> str:
@@ -426,10 +430,6 @@ def _label(config: dict[str, Any]) -> str:
 
 def _ms2(ms: float | None) -> str:
     return "-" if ms is None else f"{ms:.1f}"
-
-
-def _kb(nbytes: float | None) -> str:
-    return "-" if nbytes is None else f"{nbytes / 1000:.0f}"
 
 
 def main() -> None:
@@ -532,7 +532,7 @@ def main() -> None:
             ["", *(f"{_label(c)}, {c['mode']}" for c in configs)],
             [
                 ["kills measured", *(str(c["kills_measured"]) for c in configs)],
-                ["state moved, kB", *(_kb(c["median_bytes_moved"]) for c in configs)],
+                ["state moved, kB", *(_bytes(c["median_bytes_moved"], 1e3, 0) for c in configs)],
                 ["restore (transfer), ms", *(_ms2(c["median_restore_ms"]) for c in configs)],
                 ["RTO from the SIGKILL", *(ms(c["median_rto_from_kill_s"]) for c in configs)],
                 ["RTO (engine)", *(ms(c["median_rto_engine_s"]) for c in configs)],
