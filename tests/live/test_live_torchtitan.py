@@ -4,7 +4,9 @@ and nothing of it changed but the parallelism flags: 2 replicas x 2 tensor-paral
 CPU ranks (gloo), assets from ``flashrecovery.integrations.torchtitan.assets``. A rank SIGKILLed
 mid-training is replaced by the hot spare, restored from the rank at its tp coordinate in the
 other replica (through torchtitan's fused qkv, which gathers itself whole when saved), and every
-rank ends bitwise equal to the fault-free run; the survivors keep their processes."""
+rank ends bitwise equal to the fault-free run; the survivors keep their processes. Killed in
+step 0 too, before anything committed: the donor's optimizers have no state yet, and reading it
+must not make any (torchtitan's own state dict would step AdamW once with zero gradients)."""
 
 from __future__ import annotations
 
@@ -57,10 +59,15 @@ def titan_reference(tmp_path_factory: pytest.TempPathFactory, titan_args: list[s
     return digests.pop()
 
 
+@pytest.mark.parametrize(
+    "kill",
+    [{"kill_at": {3: 2}}, {"fault_plan": ["3:before_reduce@0"]}],
+    ids=["after-step-2", "in-step-0"],
+)
 def test_a_torchtitan_rank_killed_is_restored_from_its_tp_coordinate_bitwise_equal(
-    tmp_path: Path, titan_args: list[str], titan_reference: str
+    tmp_path: Path, titan_args: list[str], titan_reference: str, kill: dict[str, Any]
 ) -> None:
-    job = run_titan(tmp_path, titan_args, spares=1, kill_at={3: 2})
+    job = run_titan(tmp_path, titan_args, spares=1, **kill)
     assert job.exit_code == 0, job.records(type="job_finished")
     assert [r.rank for r in job.records(type="spare_activated")] == [3]
     (plan,) = job.decisions("resume_planned")

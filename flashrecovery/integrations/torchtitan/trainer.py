@@ -3,6 +3,7 @@ settled: see ``cpu.use_cpu``)."""
 
 from __future__ import annotations
 
+import collections
 import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -71,7 +72,10 @@ class FlashRecoveryTrainer(Trainer):
         model, optimizers, schedulers = self.model_parts[0], self.optimizers, self.lr_schedulers
         batches = _Batches(self._build_dataloader, steps)
         session.register(
-            _AsItLies(model), optimizers, extras={"lr_schedulers": schedulers}, loader=batches
+            _AsItLies(model),
+            _OptimizersAsTheyLie(optimizers),
+            extras={"lr_schedulers": schedulers},
+            loader=batches,
         )
         metrics = self.metrics_processor
         for _ in session.epochs(1):
@@ -173,6 +177,36 @@ class _AsItLies(torch.nn.Module):
         with torch.no_grad():
             for name, tensor in self.state_dict().items():
                 tensor.copy_(state[name])  # onto itself where the restore landed in place
+
+
+class _OptimizersAsTheyLie(torch.optim.Optimizer):
+    """torchtitan's optimizers as flashrecovery moves, checks and checkpoints them: each one's
+    own state dict, as it is. The container's state dict would first give an optimizer that
+    never stepped its state with a step of zero gradients, which counts in AdamW's bias
+    correction: a donor asked for its state before step 0 committed would then step
+    differently from every rank that was not asked."""
+
+    def __init__(self, container: Iterable[torch.optim.Optimizer]) -> None:
+        # Not torch's __init__: the groups and the state are the optimizers' own, shared.
+        self._optimizers = list(container)
+        self.defaults: dict[str, Any] = {}
+        self.param_groups = [group for o in self._optimizers for group in o.param_groups]
+        self.state = collections.ChainMap(*(o.state for o in self._optimizers))  # type: ignore[assignment]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizers": [optimizer.state_dict() for optimizer in self._optimizers]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for optimizer, own in zip(self._optimizers, state_dict["optimizers"], strict=True):
+            optimizer.load_state_dict(own)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self._optimizers:
+            optimizer.zero_grad(set_to_none)
+
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
+        for optimizer in self._optimizers:
+            optimizer.step()
 
 
 class _Batches:
