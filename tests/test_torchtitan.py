@@ -1,6 +1,7 @@
 """The torchtitan integration's pure parts (flashrecovery/integrations/torchtitan): what it
-refuses before a job starts, its optimizers' state read as it lies, and the dense attention that stands in for FlexAttention on CPU
-(equal to FlexAttention's own forward, which CPU has). Its live job: tests/live."""
+refuses before a job starts, its optimizers' state read as it lies, and the dense attention
+that stands in for FlexAttention on CPU (equal to FlexAttention's own forward, which CPU has).
+Its live job: tests/live."""
 
 from __future__ import annotations
 
