@@ -99,6 +99,9 @@ def pool(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "step_records_lost_with_nodes": sum(
             r.get("step_records_lost_with_nodes", 0) for r in records
         ),
+        "step_records_reached_by_restore": sum(
+            r.get("step_records_reached_by_restore", 0) for r in records
+        ),
         "step_records_duplicated": sum(r["step_records_duplicated"] for r in records),
         "runs": len(runs),
         "runs_without_verdict": sum("error" in run for run in runs),
@@ -202,7 +205,9 @@ def show(console: Console, name: str, pooled: dict[str, Any]) -> None:
     console.print(
         f"records {pooled['records']}: stored twice {pooled['records_stored_twice']}, "
         f"step records missing {pooled['step_records_missing']} "
-        f"(and {pooled['step_records_lost_with_nodes']} a lost node took with it), "
+        f"(and {pooled['step_records_lost_with_nodes']} a lost node took with it, "
+        f"{pooled['step_records_reached_by_restore']} a dead rank committed unrecorded and "
+        "its replacement restored), "
         f"duplicated {pooled['step_records_duplicated']}"
     )
     passing = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in pooled["runs_passing"].items())

@@ -35,6 +35,7 @@ from flashrecovery.demo.summary import (
     loss_curve,
     lost_with_nodes,
     process_history,
+    reached_by_restore,
     sparkline,
     step_losses,
     summarize,
@@ -251,6 +252,32 @@ def test_a_lost_node_may_take_its_ranks_newest_step_records_and_only_those() -> 
     counts = record_counts(log, JOB, 4, 3)
     assert counts["step_records_missing"] == 0 and counts["step_records_lost_with_nodes"] == 2
     assert record_counts(log, JOB, 4, 4)["step_records_missing"] == 4  # step 3: never recorded
+
+
+def test_a_recipient_s_resume_step_its_dead_process_did_not_record_is_counted_apart() -> None:
+    """Rank 1 died once step 2's vote had committed, before it handed step 2's record over:
+    its replacement was restored to step 2 and records step 3 on. Its step 2 is the job's, held
+    by the restore; a step before it with no record is still a gap."""
+    log = MemoryLog()
+    steps = {0: [0, 1, 2, 3], 1: [0, 1, 3]}
+    for rank, done in steps.items():
+        for step in done:
+            record = make(TYPES_BY_NAME["step_completed"], record_id=f"s{step}{rank}",
+                          rank=rank, step=step)  # fmt: skip
+            log.append(Stream.EVENTS, record)
+    plan = make(TYPES_BY_NAME["resume_planned"], resume_step=2, donors={0: 0}, recipients=[1])
+    log.append(Stream.DECISIONS, plan)
+    assert reached_by_restore(log, JOB) == {1: {2}}
+    curve = loss_curve(step_losses(log, JOB), 2, 4, restored=reached_by_restore(log, JOB))
+    assert curve["continuous"] and curve["reached_by_restore"] == {1: [2]}
+    counts = record_counts(log, JOB, 2, 4)
+    assert counts["step_records_missing"] == 0 and counts["step_records_reached_by_restore"] == 1
+    late = make(TYPES_BY_NAME["resume_planned"], record_id="p2", resume_step=3, recipients=[0])
+    log.append(Stream.DECISIONS, late)  # rank 0 recorded its step 3: nothing to explain there
+    assert record_counts(log, JOB, 2, 4)["step_records_reached_by_restore"] == 1
+    gapped = step_losses(log, JOB)
+    del gapped[1][1]  # its step 1 too: not the resume step, a real gap
+    assert loss_curve(gapped, 2, 4, restored=reached_by_restore(log, JOB))["gaps"] == {1: [1]}
 
 
 def test_summary_of_a_scripted_recovery(tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ from flashrecovery.demo.summary import (
     loss_curve,
     lost_with_nodes,
     process_history,
+    reached_by_restore,
     step_losses,
 )
 from flashrecovery.demo.watch import Kill, KillOutcome
@@ -88,7 +89,8 @@ def record_counts(log: LogConnector, job_id: str, nproc: int, steps: int) -> dic
     """Records stored twice (one id at two positions: which, where, by whom), and each rank's
     step records: a step committed with no record of it (missing), or recorded twice. The
     records a lost node still held in its agent's batch are counted apart: they never reached
-    the log (docs/multinode.md), which lost nothing it was given."""
+    the log (docs/multinode.md), which lost nothing it was given; so is a recipient's resume
+    step that its dead process never handed over (it died once the step committed)."""
     seen: dict[str, list[str]] = {}
     for stream in (Stream.EVENTS, Stream.DECISIONS):
         for e in log.read(stream, job_id):
@@ -96,13 +98,22 @@ def record_counts(log: LogConnector, job_id: str, nproc: int, steps: int) -> dic
                 where = f"{stream}@{e.position} {e.record.type} from {e.record.source}"
                 seen.setdefault(e.record.record_id, []).append(where)
     twice = {rid: at for rid, at in seen.items() if len(at) > 1}
-    curve = loss_curve(step_losses(log, job_id), nproc, steps, lost=lost_with_nodes(log, job_id))
+    curve = loss_curve(
+        step_losses(log, job_id),
+        nproc,
+        steps,
+        lost=lost_with_nodes(log, job_id),
+        restored=reached_by_restore(log, job_id),
+    )
     return {
         "records": sum(len(at) for at in seen.values()),
         "duplicate_record_ids": sum(len(at) - 1 for at in twice.values()),
         "stored_twice": dict(list(twice.items())[:10]),
         "step_records_missing": sum(len(v) for v in curve["gaps"].values()),
         "step_records_lost_with_nodes": sum(len(v) for v in curve["lost_with_nodes"].values()),
+        "step_records_reached_by_restore": sum(
+            len(v) for v in curve["reached_by_restore"].values()
+        ),
         "step_records_duplicated": sum(len(v) for v in curve["duplicates"].values()),
     }
 

@@ -23,6 +23,7 @@ from flashrecovery.records import (
     RankJoined,
     RankRegrouped,
     RegroupPlanned,
+    ResumePlanned,
     SpawnReplacement,
     StepCompleted,
     Stream,
@@ -66,26 +67,44 @@ def lost_with_nodes(log: LogConnector, job_id: str) -> dict[int, set[int]]:
     return out
 
 
+def reached_by_restore(log: LogConnector, job_id: str) -> dict[int, set[int]]:
+    """The step a restore brought each recipient to (its plan's resume step). A rank whose
+    process died once the step's vote had committed, before it handed the step's record over,
+    has no record of it from anyone: the step is the job's (every other member recorded it),
+    and its replacement holds it from its donors, not from computing it."""
+    out: dict[int, set[int]] = {}
+    for entry in log.read(Stream.DECISIONS, job_id):
+        if isinstance(plan := entry.record, ResumePlanned) and plan.resume_step >= 0:
+            for rank in plan.recipients:
+                out.setdefault(rank, set()).add(plan.resume_step)
+    return out
+
+
 def loss_curve(
     per_rank: StepLosses,
     world_size: int,
     steps: int,
     rolled_back: frozenset[int] = frozenset(),
     lost: dict[int, set[int]] | None = None,
+    restored: dict[int, set[int]] | None = None,
 ) -> dict[str, Any]:
     """Continuous means every rank committed every step exactly once (twice for a step a
     checkpoint fallback rolled back): no gap but the records a lost node took with it
-    (``lost``, reported apart), no duplicate. The curve is the mean over ranks of each step's
-    loss (the last commit of a step)."""
+    (``lost``) and a recipient's resume step its dead process did not record (``restored``),
+    each reported apart, no duplicate. The curve is the mean over ranks of each step's loss
+    (the last commit of a step)."""
     gaps: dict[int, list[int]] = {}
     with_nodes: dict[int, list[int]] = {}
+    by_restore: dict[int, list[int]] = {}
     duplicates: dict[int, list[int]] = {}
     for rank in range(world_size):
         seen = [step for step, _ in per_rank.get(rank, [])]
         absent = set(range(steps)) - set(seen)
         if taken := sorted(absent & (lost or {}).get(rank, set())):
             with_nodes[rank] = taken
-        if missing := sorted(absent - set(taken)):
+        if held := sorted((absent - set(taken)) & (restored or {}).get(rank, set())):
+            by_restore[rank] = held
+        if missing := sorted(absent - set(taken) - set(held)):
             gaps[rank] = missing
         allowed = {s: 2 if s in rolled_back else 1 for s in seen}
         if repeated := sorted({s for s in seen if seen.count(s) > allowed[s]}):
@@ -101,6 +120,7 @@ def loss_curve(
         "continuous": not gaps and not duplicates,
         "gaps": gaps,
         "lost_with_nodes": with_nodes,
+        "reached_by_restore": by_restore,
         "duplicates": duplicates,
         "mean_loss": mean,
         "sparkline": sparkline(mean),
@@ -250,7 +270,7 @@ def summarize(
         for rank in range(spec.nproc)
     }
     per_rank = step_losses(log, spec.job_id)
-    lost = lost_with_nodes(log, spec.job_id)
+    lost, restored = lost_with_nodes(log, spec.job_id), reached_by_restore(log, spec.job_id)
     rows = found["incidents"]
     fallbacks = [r for r in rows if r["checkpoint_step"] is not None]
     rolled_back = frozenset(
@@ -278,7 +298,7 @@ def summarize(
         "pids": pids,
         "survivor_pids_unchanged": not unplanned and len(joined) == spec.nproc,
         "unplanned_pid_changes": unplanned,
-        "loss_curve": loss_curve(per_rank, spec.nproc, spec.steps, rolled_back, lost),
+        "loss_curve": loss_curve(per_rank, spec.nproc, spec.steps, rolled_back, lost, restored),
         "timeline": str(plot_job(log, spec.job_id, spec.run_dir / "timeline.png")),
         "verify": None if reference is None else verify(log, spec, reference, per_rank, lost),
         "commands": {

@@ -11,25 +11,27 @@ Without a plan the probe does nothing.
 
 Kinds, with the point and step they act at: ``before_reduce`` and ``after_reduce`` SIGKILL the
 process there, at the step being committed (after the gradients are reduced but before the vote
-completes is the delicate case); ``finish`` SIGKILLs it in ``finish()`` once ``step`` is
-committed (the last step: lost after the job's work is done); ``exit`` SIGKILLs it at the very
-end of ``finish()``, its ``RankFinished`` handed over (a crash in the interpreter's teardown
-after training); ``raise`` raises instead of dying; ``hang`` SIGSTOPs the process so only the
-detectors can find it; ``stall`` blocks the training thread forever before the step's commit
-while the process (and its heartbeats) live on, so only the stall detector can find it; ``nan``
-makes one of the rank's gradients NaN before the commit looks at them (trainer_hooks/nonfinite.py),
-a fault of the values that the process lives through (plan it twice at one step for a step that
-is non-finite when recomputed too); ``bitflip`` flips one bit of one of its parameters (a silent
-corruption of its state, found when the replicas compare their states: digest.py); ``slow``
-makes the rank's next SLOW_STEPS steps take 3x their compute time (a straggler, found from its
-compute times against its peers': engine/stragglers.py). During a
-recovery, at the member's committed step: ``regroup`` SIGKILLs a member as it starts to join a
-new generation, ``group_build`` as it starts to build the generation's group (its ring
+completes is the delicate case); ``committed`` SIGKILLs it once the step's vote committed,
+before it hands the step's record over (the step is the job's: its replacement is restored to
+it, and no process records it for that rank); ``finish`` SIGKILLs it in ``finish()`` once
+``step`` is committed (the last step: lost after the job's work is done); ``exit`` SIGKILLs it
+at the very end of ``finish()``, its ``RankFinished`` handed over (a crash in the interpreter's
+teardown after training); ``raise`` raises instead of dying; ``hang`` SIGSTOPs the process so
+only the detectors can find it; ``stall`` blocks the training thread forever before the step's
+commit while the process (and its heartbeats) live on, so only the stall detector can find it;
+``nan`` makes one of the rank's gradients NaN before the commit looks at them
+(trainer_hooks/nonfinite.py), a fault of the values that the process lives through (plan it
+twice at one step for a step that is non-finite when recomputed too); ``bitflip`` flips one bit
+of one of its parameters (a silent corruption of its state, found when the replicas compare
+their states: digest.py); ``slow`` makes the rank's next SLOW_STEPS steps take 3x their compute
+time (a straggler, found from its compute times against its peers': engine/stragglers.py).
+During a recovery, at the member's committed step: ``regroup`` SIGKILLs a member as it starts to
+join a new generation, ``group_build`` as it starts to build the generation's group (its ring
 neighbours wait for it while theirs form), and ``donor_send`` kills a donor in the middle of
 sending its state (after the first message), ``garble`` makes a donor flip one bit of what it
 sends on the way (its own state untouched: the recipient's check finds it, transfer.py).
-``checkpoint_load`` SIGKILLs a member as it starts
-loading the checkpoint a fallback names, at that checkpoint's step.
+``checkpoint_load`` SIGKILLs a member as it starts loading the checkpoint a fallback names, at
+that checkpoint's step.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class Point(StrEnum):
 
     BEFORE_REDUCE = "before_reduce"
     AFTER_REDUCE = "after_reduce"
+    COMMITTED = "committed"
     FINISH = "finish"
     EXIT = "exit"
     REGROUP = "regroup"

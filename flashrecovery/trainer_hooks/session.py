@@ -449,6 +449,7 @@ class Session:
             verdict = member.vote(step, self._step_record, ballot, self._attempt(step))
         if verdict is vote.Verdict.COMMITTED:
             self._machine.fire(Trigger.COMMIT)
+            self._probe(Point.COMMITTED, member.rank, step)
             if reduced is not None:
                 reduced.apply(self.world_size)
                 optimizer.step()

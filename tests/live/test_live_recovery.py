@@ -10,6 +10,7 @@ import pytest
 import torch
 from livejob import STEPS, WORLD, JobResult, Processes, run_job
 
+from flashrecovery.chaos.verdict import record_counts
 from flashrecovery.records import Envelope, Stream
 from flashrecovery.replay.replayer import replay_job
 
@@ -89,6 +90,22 @@ def test_kill_between_reduce_and_vote(tmp_path: Path, reference: torch.Tensor) -
     assert all(step < 8 for _, step in committed)
     resume = job.decisions("resume_planned")
     assert [(p.resume_step, p.donors, p.recipients) for p in resume] == [(7, {0: 1}, [0])]
+
+
+def test_kill_between_the_commit_and_its_record(tmp_path: Path, reference: torch.Tensor) -> None:
+    """Step 8 committed on every member, the dead one too, which never handed its record
+    over: the step is not recomputed, the replacement is restored to it, and the checks count
+    the rank's step 8 as reached by the restore, not as a record the log lost."""
+    job = run_job(tmp_path, spares=1, fault_plan=["1:committed@8"])
+    assert_lossless(job, reference, incidents=1)
+    assert_survivors_kept(job, failed={1})
+    [plan] = job.decisions("resume_planned")
+    assert (plan.resume_step, plan.recipients) == (8, [1])
+    recorded = {(r.rank, r.step) for r in job.records(type="step_completed")}
+    assert (1, 8) not in recorded and {(0, 8), (2, 8), (1, 9)} <= recorded
+    counts = record_counts(job.log, job.job_id, WORLD, STEPS)
+    assert counts["step_records_missing"] == 0, counts
+    assert counts["step_records_reached_by_restore"] == 1, counts
 
 
 def test_hung_rank_is_found_by_its_silence(tmp_path: Path, reference: torch.Tensor) -> None:
