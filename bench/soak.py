@@ -206,8 +206,7 @@ def show(console: Console, name: str, pooled: dict[str, Any]) -> None:
         f"records {pooled['records']}: stored twice {pooled['records_stored_twice']}, "
         f"step records missing {pooled['step_records_missing']} "
         f"(and {pooled['step_records_lost_with_nodes']} a lost node took with it, "
-        f"{pooled['step_records_reached_by_restore']} a dead rank committed unrecorded and "
-        "its replacement restored), "
+        f"{pooled['step_records_reached_by_restore']} reached by a restore), "
         f"duplicated {pooled['step_records_duplicated']}"
     )
     passing = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in pooled["runs_passing"].items())

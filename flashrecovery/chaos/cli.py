@@ -612,9 +612,8 @@ def print_verdict(verdict: dict[str, Any], console: Console) -> None:
     console.print(
         f"{records['records']} records; stored twice: {records['duplicate_record_ids']}; "
         f"step records missing: {records['step_records_missing']} "
-        f"(a lost node took {records['step_records_lost_with_nodes']} with it; "
-        f"{records['step_records_reached_by_restore']} a dead rank committed, unrecorded, "
-        "its replacement restored), "
+        f"(a lost node took {records['step_records_lost_with_nodes']} with it, "
+        f"{records['step_records_reached_by_restore']} reached by a restore), "
         f"twice: {records['step_records_duplicated']}"
     )
     if verdict["processes_left"]:

@@ -18,6 +18,10 @@ KINDS: dict[str, str] = {
     "sigkill": "SIGKILL a rank from outside",
     "sigstop": "SIGSTOP a rank from outside (found by its missing heartbeats)",
     "raise": "an exception escapes a rank's training loop",
+    "committed": (
+        "a rank dies once its step's vote committed, before it hands the step's record over "
+        "(the step is the job's: its replacement is restored to it, nothing is recomputed)"
+    ),
     "stall": "a rank stuck in its own code, heartbeats going on (found by the stall detector)",
     "nan": "a NaN in one rank's gradients (found by the commit: no rank steps, it is recomputed)",
     "slow": (
@@ -94,6 +98,7 @@ class PlannedFault:
         during = self.step - 1  # the members' committed step while they recover
         return {
             "raise": [f"{self.rank}:raise@{self.step}"],
+            "committed": [f"{self.rank}:committed@{self.step}"],
             "stall": [f"{self.rank}:stall@{self.step}"],
             "nan": [f"{self.rank}:nan@{self.step}"],
             "bitflip": [f"{self.rank}:bitflip@{self.step}"],
@@ -155,7 +160,7 @@ def available_kinds(
     """The kinds this job can take: two failures in one recovery need three ranks (one
     replica must survive to donate); the spare, engine and broker kinds need those to exist;
     the node kinds several nodes, the network's nodes with networks of their own."""
-    kinds = ["sigkill", "sigstop", "raise", "stall", "nan", "slow", *FORGED]
+    kinds = ["sigkill", "sigstop", "raise", "committed", "stall", "nan", "slow", *FORGED]
     if nodes > 1:
         kinds += ["node_kill", "node0_kill"]
     if nodes > 1 and netns:
