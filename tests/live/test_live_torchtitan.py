@@ -2,11 +2,12 @@
 flashrecovery.integrations.torchtitan`, its llama3 debug model with torchtitan's configuration
 and nothing of it changed but the parallelism flags: 2 replicas x 2 tensor-parallel ranks on 4
 CPU ranks (gloo), assets from ``flashrecovery.integrations.torchtitan.assets``. A rank SIGKILLed
-mid-training is replaced by the hot spare, restored from the rank at its tp coordinate in the
+mid-training is replaced by a hot spare, restored from the rank at its tp coordinate in the
 other replica (through torchtitan's fused qkv, which gathers itself whole when saved), and every
-rank ends bitwise equal to the fault-free run; the survivors keep their processes. Killed in
-step 0 too, before anything committed: the donor's optimizers have no state yet, and reading it
-must not make any (torchtitan's own state dict would step AdamW once with zero gradients)."""
+rank ends bitwise equal to the fault-free run; the survivors keep their processes. The first
+kill lands in step 0, before anything committed: the donor's optimizers have no state yet, and
+reading it must not make any (torchtitan's own state dict would step AdamW once with zero
+gradients)."""
 
 from __future__ import annotations
 
@@ -59,22 +60,20 @@ def titan_reference(tmp_path_factory: pytest.TempPathFactory, titan_args: list[s
     return digests.pop()
 
 
-@pytest.mark.parametrize(
-    "kill",
-    [{"kill_at": {3: 2}}, {"fault_plan": ["3:before_reduce@0"]}],
-    ids=["after-step-2", "in-step-0"],
-)
-def test_a_torchtitan_rank_killed_is_restored_from_its_tp_coordinate_bitwise_equal(
-    tmp_path: Path, titan_args: list[str], titan_reference: str, kill: dict[str, Any]
+def test_torchtitan_ranks_killed_are_restored_from_their_tp_coordinate_bitwise_equal(
+    tmp_path: Path, titan_args: list[str], titan_reference: str
 ) -> None:
-    job = run_titan(tmp_path, titan_args, spares=1, **kill)
+    """Rank 3 killed in step 0, before anything committed (its donor's optimizers hold no state
+    yet); rank 1, at its tp coordinate, in step 4: its donor is rank 3's replacement."""
+    plan = ["3:before_reduce@0", "1:before_reduce@4"]
+    job = run_titan(tmp_path, titan_args, spares=2, fault_plan=plan)
     assert job.exit_code == 0, job.records(type="job_finished")
-    assert [r.rank for r in job.records(type="spare_activated")] == [3]
-    (plan,) = job.decisions("resume_planned")
-    assert plan.recipients == [3] and plan.donors[1] == 1  # its tp coordinate, other replica
+    assert [r.rank for r in job.records(type="spare_activated")] == [3, 1]
+    plans = [(p.resume_step, p.recipients, p.donors[1]) for p in job.decisions("resume_planned")]
+    assert plans == [(-1, [3], 1), (3, [1], 3)]  # its tp coordinate in the other replica
     assert sorted({r.step for r in job.records(type="step_completed")}) == list(range(STEPS))
     first_pids = {r.rank: r.pid for r in job.records(type="rank_joined")}
     for rank in range(4):
         final = job.final_state(rank)
         assert final["params_sha256"] == titan_reference, f"rank {rank} diverged"
-        assert (final["pid"] == first_pids[rank]) == (rank != 3), f"rank {rank}'s process"
+        assert (final["pid"] == first_pids[rank]) == (rank in (0, 2)), f"rank {rank}'s process"
