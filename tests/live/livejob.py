@@ -164,6 +164,7 @@ def run_job(
     straggler_steps: int = 20,
     store_secret: str | None = None,  # the job's (else the agent makes one)
     harness: bool = True,  # the script takes --out and --step-time; else --final-state only
+    heartbeat_interval_s: float = HEARTBEAT_S,
 ) -> JobResult:
     """Run the training script on ``nproc`` ranks; ``kill_at`` maps rank -> the step after whose
     commit (as the log shows it) the rank's process is SIGKILLed from outside; ``scenario``
@@ -181,7 +182,7 @@ def run_job(
             spares=spares,
             log_url=log_url or f"sqlite:///{tmp_path / 'log.db'}",
             job_id="live",
-            heartbeat_interval_s=HEARTBEAT_S,
+            heartbeat_interval_s=heartbeat_interval_s,
             stall_floor_s=stall_floor_s,
             external_engine=external_engine,
             fault_plan=FaultPlan.parse(",".join(fault_plan or [])),

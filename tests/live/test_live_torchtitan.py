@@ -22,6 +22,10 @@ from flashrecovery.integrations.torchtitan import assets
 
 pytestmark = pytest.mark.timeout(300)
 STEPS = 8
+# Missed after 6 s, not livejob's 3: four ranks building torchtitan's trainer on 2 cores have
+# gone 3 s without a beat (a CI run's fault-free reference lost a rank to it in step 0). The
+# kills here are found by their exits, not their silence.
+HEARTBEAT_S = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +50,7 @@ def run_titan(tmp_path: Path, titan_args: list[str], **kwargs: Any) -> Any:
         run_as=RunAs.MODULE,
         harness=False,
         script_args=titan_args,
+        heartbeat_interval_s=HEARTBEAT_S,
         **kwargs,
     )
 
