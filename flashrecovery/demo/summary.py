@@ -102,9 +102,11 @@ def loss_curve(
         absent = set(range(steps)) - set(seen)
         if taken := sorted(absent & (lost or {}).get(rank, set())):
             with_nodes[rank] = taken
-        if held := sorted((absent - set(taken)) & (restored or {}).get(rank, set())):
+            absent -= set(taken)
+        if held := sorted(absent & (restored or {}).get(rank, set())):
             by_restore[rank] = held
-        if missing := sorted(absent - set(taken) - set(held)):
+            absent -= set(held)
+        if missing := sorted(absent):
             gaps[rank] = missing
         allowed = {s: 2 if s in rolled_back else 1 for s in seen}
         if repeated := sorted({s for s in seen if seen.count(s) > allowed[s]}):
